@@ -1,0 +1,89 @@
+"""Tiny random Llama-family models on disk, for tests and quick runs without the real weights.
+
+A tiny model is a normal Hugging Face directory (``config.json``, ``model.safetensors``, a
+tokenizer), so everything that loads the real model loads it the same way, and transformers
+can load it too as the reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_byte_tokenizer(path: Path) -> int:
+    """Save a byte-level tokenizer (256 byte tokens + ChatML specials); return its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(path)
+    return len(fast)
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    model_type: str = "llama",
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    initializer_range: float = 0.1,
+    seed: int = 0,
+) -> Path:
+    """Write a random model of ``model_type`` (llama, mistral or qwen2) and a tokenizer to ``path``.
+
+    ``initializer_range`` is larger than the usual 0.02 so that logits are peaked and greedy
+    decoding is not decided by near ties.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab_size = build_byte_tokenizer(path)
+    eos_id = vocab_size - 1  # <|im_end|>, the last special token added
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=vocab_size - 3,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path

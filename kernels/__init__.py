@@ -1,0 +1,53 @@
+"""Paged-KV attention ops and the one place that picks their implementation.
+
+``torch`` is the reference in ``kernels/reference.py`` (the CPU path); ``triton`` runs the
+Triton kernels (the CUDA path, or the CPU under ``TRITON_INTERPRET=1`` for tests). ``auto``
+picks Triton on CUDA and torch elsewhere; ``KVBATCH_ATTENTION_BACKEND`` overrides the choice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import reference
+
+BACKENDS = ("auto", "torch", "triton")
+BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """The three ops a paged-attention layer calls, with the signatures of ``reference``."""
+
+    name: str
+    reshape_and_cache: Callable[..., None]
+    decode: Callable[..., torch.Tensor]
+    prefill: Callable[..., torch.Tensor]
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """Return ``torch`` or ``triton`` for a requested backend (``auto``/``torch``/``triton``)."""
+    choice = os.environ.get(BACKEND_ENV) or requested
+    if choice not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return choice
+
+
+def get_ops(backend: str) -> AttentionOps:
+    """The ops of a resolved backend (``torch`` or ``triton``)."""
+    if backend == "torch":
+        return AttentionOps(
+            name="torch",
+            reshape_and_cache=reference.reshape_and_cache,
+            decode=reference.paged_attention_decode,
+            prefill=reference.paged_attention_prefill,
+        )
+    if backend == "triton":
+        raise NotImplementedError("the Triton attention backend is not built yet")
+    raise ValueError(f"unknown attention backend {backend!r}")
