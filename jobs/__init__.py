@@ -1,0 +1,1 @@
+"""kvbatch job contract and client SDK."""
