@@ -1,0 +1,65 @@
+"""Every Redis key, stream, group and channel name in one place, plus the wire limits.
+
+A deployment (or a test) picks a key prefix; all names derive from it through :class:`Keys`,
+so two prefixes never see each other's data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KEY_PREFIX = "kvbatch"
+CONSUMER_GROUP = "workers"
+# Largest JSON payload of one job on the wire (prompt, messages, parameters, metadata).
+MAX_PAYLOAD_BYTES = 1 << 20
+# Stream entry fields: the job id on its own (readable without parsing) and the job as JSON.
+FIELD_ID = "id"
+FIELD_JOB = "job"
+FIELD_REASON = "reason"
+# How long a "job finished" marker stays for waiters that subscribe late.
+DONE_MARKER_TTL_S = 24 * 3600
+# How long a cancel request waits for the worker that holds the job.
+CANCEL_MARKER_TTL_S = 24 * 3600
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Redis names under one prefix. Streams are per model; the rest are shared."""
+
+    prefix: str = DEFAULT_KEY_PREFIX
+
+    def stream(self, model: str) -> str:
+        """Jobs waiting for (or held by) the workers of ``model``; group :data:`CONSUMER_GROUP`."""
+        return f"{self.prefix}:jobs:{model}"
+
+    def dead_letter(self, model: str) -> str:
+        """Jobs given up on: delivered too often, or unreadable."""
+        return f"{self.prefix}:dead:{model}"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """Exists while the worker is alive; its TTL is the worker's lease."""
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def workers(self) -> str:
+        """Hash of worker id -> model of every worker that has ever registered (for listings)."""
+        return f"{self.prefix}:workers"
+
+    def cancel(self, job_id: str) -> str:
+        """Set when cancellation of a running job is requested."""
+        return f"{self.prefix}:cancel:{job_id}"
+
+    def cancel_channel(self) -> str:
+        """Pub/sub channel carrying job ids to cancel, so workers react without polling."""
+        return f"{self.prefix}:cancels"
+
+    def done(self, job_id: str) -> str:
+        """Set to the terminal status once the job's result is stored."""
+        return f"{self.prefix}:done:{job_id}"
+
+    def done_channel(self) -> str:
+        """Pub/sub channel carrying ``{"id": ..., "status": ...}`` for each finished job."""
+        return f"{self.prefix}:done"
+
+    def reconcile_lock(self, model: str) -> str:
+        """Held by the one worker reconciling ``model``'s stream against SQL."""
+        return f"{self.prefix}:lock:reconcile:{model}"

@@ -1,0 +1,219 @@
+"""The Redis Streams data plane of one model: enqueue, pull, ack, leases, dead letters.
+
+One stream per model with one consumer group; each worker is a consumer named by its worker
+id. Entries are deleted when acknowledged, so the stream holds exactly the jobs that are
+waiting or held by a worker. A worker's lease is its heartbeat key: the pending entries of a
+consumer without a heartbeat are claimed by live workers, and never those of a live one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from jobs.constants import (
+    CANCEL_MARKER_TTL_S,
+    CONSUMER_GROUP,
+    DONE_MARKER_TTL_S,
+    FIELD_ID,
+    FIELD_JOB,
+    FIELD_REASON,
+    Keys,
+)
+from jobs.schemas import JobSpec, encode_job
+
+DEAD_LETTER_MAXLEN = 100_000
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One stream entry handed to this worker. ``payload`` is the raw job JSON, unparsed."""
+
+    entry_id: str
+    job_id: str | None
+    payload: str | None
+
+
+class JobQueue:
+    """Stream operations for ``model``. ``client`` must decode responses to ``str``."""
+
+    def __init__(self, client: redis.Redis, model: str, keys: Keys | None = None) -> None:
+        self.client = client
+        self.model = model
+        self.keys = keys = keys or Keys()
+        self.stream = keys.stream(model)
+
+    def ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def enqueue(self, specs: Sequence[JobSpec]) -> list[str]:
+        """Append jobs to the stream; returns their entry ids."""
+        pipe = self.client.pipeline(transaction=False)
+        for spec in specs:
+            if spec.model != self.model:
+                raise ValueError(f"job {spec.id} is for model {spec.model!r}, not {self.model!r}")
+            pipe.xadd(self.stream, {FIELD_ID: spec.id, FIELD_JOB: encode_job(spec)})
+        return [str(e) for e in pipe.execute()]
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[Delivery]:
+        """Up to ``count`` new entries for ``consumer`` (blocking up to ``block_ms``)."""
+        if count <= 0:
+            return []
+        try:
+            reply = self.client.xreadgroup(
+                CONSUMER_GROUP, consumer, {self.stream: ">"}, count=count, block=block_ms
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self.ensure_group()  # Redis restarted empty, or the stream was deleted
+            return []
+        return [_delivery(entry_id, fields) for _, entries in reply or [] for entry_id, fields
+                in entries]
+
+    def ack(self, entry_ids: Iterable[str]) -> None:
+        """Acknowledge and delete entries (their results are stored)."""
+        ids = list(entry_ids)
+        if not ids:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.stream, CONSUMER_GROUP, *ids)
+        pipe.xdel(self.stream, *ids)
+        pipe.execute()
+
+    def heartbeat(self, worker_id: str, lease_ttl_ms: int) -> None:
+        """Renew ``worker_id``'s lease on the entries it holds."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(worker_id), self.model, px=lease_ttl_ms)
+        pipe.hset(self.keys.workers(), worker_id, self.model)
+        pipe.execute()
+
+    def drop_heartbeat(self, worker_id: str) -> None:
+        """End the lease now, so live workers claim what ``worker_id`` still holds."""
+        self.client.delete(self.keys.heartbeat(worker_id))
+
+    def claim_orphans(self, consumer: str, count: int, min_idle_ms: int) -> list[Delivery]:
+        """Take over up to ``count`` entries pending on consumers whose heartbeat expired.
+
+        ``min_idle_ms`` must be below the lease TTL minus the heartbeat interval (a dead
+        consumer's entries have been idle at least that long when its lease expires); it makes
+        two live workers claiming the same orphan at once settle on one of them, because a
+        claim resets the entry's idle time.
+        """
+        if count <= 0:
+            return []
+        try:
+            consumers = self.client.xinfo_consumers(self.stream, CONSUMER_GROUP)
+        except redis.ResponseError:
+            return []
+        claimed: list[Delivery] = []
+        for info in consumers:
+            name = info["name"]
+            if name == consumer or self.client.exists(self.keys.heartbeat(name)):
+                continue
+            if int(info["pending"]) == 0:
+                self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, name)
+                continue
+            pending = self.client.xpending_range(
+                self.stream, CONSUMER_GROUP, min="-", max="+", count=count - len(claimed),
+                consumername=name,
+            )
+            ids = [p["message_id"] for p in pending]
+            if ids:
+                entries = self.client.xclaim(
+                    self.stream, CONSUMER_GROUP, consumer, min_idle_ms, ids
+                )
+                claimed += [_delivery(e_id, fields) for e_id, fields in entries if fields]
+            if len(claimed) >= count:
+                break
+        return claimed
+
+    def dead_letter(self, deliveries: Sequence[Delivery], reasons: Sequence[str]) -> None:
+        """Copy entries to the dead-letter stream with their reasons, then ack them."""
+        if not deliveries:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        for d, reason in zip(deliveries, reasons, strict=True):
+            pipe.xadd(
+                self.keys.dead_letter(self.model),
+                {FIELD_ID: d.job_id or "", FIELD_JOB: d.payload or "", FIELD_REASON: reason},
+                maxlen=DEAD_LETTER_MAXLEN, approximate=True,
+            )
+        ids = [d.entry_id for d in deliveries]
+        pipe.xack(self.stream, CONSUMER_GROUP, *ids)
+        pipe.xdel(self.stream, *ids)
+        pipe.execute()
+
+    def publish_done(self, finished: Iterable[tuple[str, str]]) -> None:
+        """Tell waiters that jobs reached a terminal status: a marker key and a message each."""
+        pipe = self.client.pipeline(transaction=False)
+        for job_id, status in finished:
+            pipe.set(self.keys.done(job_id), status, ex=DONE_MARKER_TTL_S)
+            pipe.delete(self.keys.cancel(job_id))
+            pipe.publish(self.keys.done_channel(), json.dumps({"id": job_id, "status": status}))
+        pipe.execute()
+
+    def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
+        """Which of ``job_ids`` have a pending cancel request."""
+        if not job_ids:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(self.keys.cancel(job_id))
+        return [j for j, hit in zip(job_ids, pipe.execute(), strict=True) if hit]
+
+    # -- inspection --------------------------------------------------------------------------
+
+    def depth(self) -> tuple[int, int]:
+        """(entries not yet delivered, entries delivered and not yet acknowledged)."""
+        total = self.client.xlen(self.stream)
+        try:
+            pending = int(self.client.xpending(self.stream, CONSUMER_GROUP)["pending"])
+        except redis.ResponseError:
+            pending = 0
+        return max(total - pending, 0), pending
+
+    def job_ids_in_stream(self, chunk: int = 1000) -> set[str]:
+        """Ids of all jobs present in the stream (waiting or held by a worker)."""
+        ids: set[str] = set()
+        start = "-"
+        while True:
+            entries = self.client.xrange(self.stream, min=start, max="+", count=chunk)
+            ids.update(f.get(FIELD_ID, "") for _, f in entries)
+            if len(entries) < chunk:
+                return ids
+            start = "(" + entries[-1][0]
+
+    def live_workers(self) -> set[str]:
+        """Worker ids whose heartbeat is current."""
+        names = list(self.client.hkeys(self.keys.workers()))
+        if not names:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.heartbeat(name))
+        return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
+
+
+def signal_cancel(client: redis.Redis, keys: Keys, job_id: str) -> None:
+    """Ask whichever worker holds ``job_id`` to abort it."""
+    pipe = client.pipeline(transaction=False)
+    pipe.set(keys.cancel(job_id), "1", ex=CANCEL_MARKER_TTL_S)
+    pipe.publish(keys.cancel_channel(), job_id)
+    pipe.execute()
+
+
+def _delivery(entry_id: str, fields: dict[str, str]) -> Delivery:
+    return Delivery(entry_id=entry_id, job_id=fields.get(FIELD_ID) or None,
+                    payload=fields.get(FIELD_JOB))

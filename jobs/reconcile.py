@@ -1,0 +1,47 @@
+"""The reconciler: SQL is the system of record, so whatever SQL says is queued or running must be
+in the stream or held by a live worker. Jobs that are neither (Redis lost its data, a producer
+died between its SQL commit and its XADD) are enqueued again; queued jobs past their deadline
+are expired."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from jobs.queue import JobQueue
+from jobs.schemas import JobStatus
+from jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    expired: list[str]
+    requeued: list[str]
+
+
+def reconcile(store: JobStore, queue: JobQueue, grace_s: float,
+              now_s: float | None = None) -> ReconcileReport:
+    """One pass for ``queue.model``. Jobs submitted less than ``grace_s`` ago are left alone:
+    their producer may not have reached its XADD yet."""
+    now_s = time.time() if now_s is None else now_s
+    expired = store.expire_overdue(queue.model, now_s)
+    if expired:
+        queue.publish_done((job_id, JobStatus.EXPIRED.value) for job_id in expired)
+    candidates = store.active_jobs(queue.model, created_before_s=now_s - grace_s)
+    if not candidates:
+        return ReconcileReport(expired, [])
+    in_stream = queue.job_ids_in_stream()
+    live = queue.live_workers()
+    missing = [
+        job_id for job_id, status, worker_id in candidates
+        if job_id not in in_stream and not (status == JobStatus.RUNNING and worker_id in live)
+    ]
+    if missing:
+        queue.ensure_group()
+        queue.enqueue(store.specs(missing))
+        log.warning("reconciler re-enqueued %d %s jobs missing from Redis", len(missing),
+                    queue.model)
+    return ReconcileReport(expired, missing)

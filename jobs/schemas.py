@@ -1,0 +1,209 @@
+"""The job contract shared by producers (SDK, CLI) and workers: pydantic v2 models, JSON only.
+
+A job travels as the JSON of :class:`JobSpec` in a Redis stream entry and is stored in SQL;
+results and statistics come back as :class:`JobResult` and :class:`JobStats`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from jobs.constants import MAX_PAYLOAD_BYTES
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED}
+)
+ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class Sampling(_Strict):
+    """The engine's ``SamplingParams`` fields. Types are checked here; value ranges are checked
+    by the engine's ``SamplingParams`` on the worker, the one place that defines them."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class JobSpec(_Strict):
+    """One generation job as submitted.
+
+    Args:
+        id: unique job id (generated when omitted).
+        batch_id: the batch this job belongs to, if any.
+        custom_id: the caller's own id (unique within a batch), e.g. a JSONL row key.
+        model: the served model name; workers only run jobs of their own model.
+        prompt: a plain-text prompt; exactly one of ``prompt`` and ``messages``.
+        messages: chat messages, rendered with the model's chat template.
+        sampling: sampling parameters, as the engine's ``SamplingParams``.
+        priority: lower values are scheduled first (the engine's convention).
+        metadata: free-form JSON kept with the job.
+        deadline: the job expires, unrun, if not finished by then (a timezone-aware time).
+        submitted_at: wall-clock submission time (``time.time()``), set on submission.
+    """
+
+    id: str = Field(default_factory=new_job_id, pattern=JOB_ID_PATTERN)
+    batch_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    custom_id: str | None = Field(default=None, max_length=255)
+    model: str = Field(min_length=1, max_length=255)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    sampling: Sampling = Sampling()
+    priority: int = 0
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    deadline: datetime | None = None
+    submitted_at: float = Field(default_factory=time.time)
+
+    @field_validator("deadline")
+    @classmethod
+    def _aware(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> JobSpec:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a job needs exactly one of 'prompt' and 'messages'")
+        return self
+
+    def engine_prompt(self) -> str | list[dict[str, str]]:
+        if self.messages is not None:
+            return [m.model_dump() for m in self.messages]
+        assert self.prompt is not None  # guaranteed by _one_prompt
+        return self.prompt
+
+    def expired(self, now_s: float | None = None) -> bool:
+        now_s = time.time() if now_s is None else now_s
+        return self.deadline is not None and self.deadline.timestamp() <= now_s
+
+
+def encode_job(spec: JobSpec) -> str:
+    """The job's wire form; raises ``ValueError`` when it exceeds :data:`MAX_PAYLOAD_BYTES`."""
+    payload = spec.model_dump_json()
+    if len(payload.encode()) > MAX_PAYLOAD_BYTES:
+        raise ValueError(
+            f"job {spec.id}: payload is {len(payload.encode())} bytes, "
+            f"over the {MAX_PAYLOAD_BYTES}-byte limit"
+        )
+    return payload
+
+
+def decode_job(payload: str | bytes) -> JobSpec:
+    """Parse a job from the wire; raises ``ValueError`` (pydantic's included) on bad input."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ValueError(
+            f"payload is {len(payload)} bytes, over the {MAX_PAYLOAD_BYTES}-byte limit"
+        )
+    return JobSpec.model_validate_json(payload)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Choice(BaseModel):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: Any = None
+
+
+class JobResult(BaseModel):
+    """What a job produced; the top-level fields are those of the first (or only) sample."""
+
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: Any = None
+    usage: Usage = Usage()
+    # Every sample when n > 1 (the first repeats the top-level fields); empty when n == 1.
+    choices: list[Choice] = Field(default_factory=list)
+
+
+class JobStats(BaseModel):
+    """Latency and memory of one job. Times are seconds measured from submission (vLLM's
+    "arrival"): queue_wait until first scheduled, ttft until the first token, e2e until done;
+    tpot is the mean time between output tokens."""
+
+    queue_wait_s: float | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    peak_kv_blocks: int = 0
+    peak_kv_bytes: int = 0
+    preemptions: int = 0
+
+
+class JobInfo(BaseModel):
+    """A job as stored: request summary, status, and result/stats once terminal."""
+
+    id: str
+    batch_id: str | None
+    custom_id: str | None
+    model: str
+    status: JobStatus
+    priority: int
+    metadata: dict[str, Any]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    deadline: datetime | None
+    attempts: int
+    worker_id: str | None
+    error: str | None
+    result: JobResult | None = None
+    stats: JobStats | None = None

@@ -1,0 +1,326 @@
+"""The SQL system of record: every job state change is one transaction here.
+
+Invariants:
+  * A job row exists from submission on; Redis only ever holds copies of queued jobs.
+  * Terminal transitions are guarded by ``status IN ('queued', 'running')``, so however often a
+    job is delivered, exactly one transition (and one ``job_metrics`` row) wins.
+  * ``attempts`` counts deliveries to workers; a voluntary hand-back (graceful shutdown) gives
+    the attempt back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, case, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from jobs.models import Batch, Job, JobMetrics
+from jobs.schemas import (
+    ACTIVE_STATUSES,
+    Choice,
+    JobInfo,
+    JobResult,
+    JobSpec,
+    JobStats,
+    JobStatus,
+    Usage,
+)
+
+_ACTIVE = [s.value for s in ACTIVE_STATUSES]
+
+
+def to_dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _aware(dt: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; everything stored is UTC.
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+class Decision(enum.Enum):
+    """What a worker does with a delivered job (see :meth:`JobStore.begin_deliveries`)."""
+
+    RUN = "run"  # now running on this worker; attempts was incremented
+    SKIP = "skip"  # already terminal (a duplicate delivery) or unknown: ack, do nothing
+    DEAD = "dead"  # delivered too often: marked failed; move to the dead-letter stream
+    EXPIRED = "expired"  # past its deadline: marked expired, not run
+    CANCELLED = "cancelled"  # cancelled before it started: marked cancelled
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A job's terminal state as the worker reports it."""
+
+    job_id: str
+    status: JobStatus
+    finished_at: float
+    error: str | None = None
+    result: JobResult | None = None
+    stats: JobStats | None = None
+
+
+class JobStore:
+    """Job rows in SQL. Thread-safe to the extent the SQLAlchemy engine is (each call is its
+    own session and transaction)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def insert_jobs(self, specs: Sequence[JobSpec]) -> None:
+        """Insert ``specs`` as queued jobs in one transaction (creating missing batch rows)."""
+        if not specs:
+            return
+        with Session(self.engine) as session, session.begin():
+            batch_ids = {s.batch_id for s in specs if s.batch_id is not None}
+            if batch_ids:
+                known = set(session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids))))
+                for batch_id in sorted(batch_ids - known):
+                    first = next(s for s in specs if s.batch_id == batch_id)
+                    session.add(Batch(id=batch_id, model=first.model, meta={},
+                                      created_at=to_dt(first.submitted_at), num_jobs=0))
+                session.flush()
+                for batch_id in batch_ids:
+                    n = sum(1 for s in specs if s.batch_id == batch_id)
+                    session.execute(update(Batch).where(Batch.id == batch_id)
+                                    .values(num_jobs=Batch.num_jobs + n))
+            session.execute(insert(Job), [_job_row(s) for s in specs])
+
+    def request_cancel(self, job_id: str, now_s: float) -> JobStatus | None:
+        """Cancel a queued job at once; flag a running one (the caller tells its worker).
+        Returns the job's status afterwards, or None for an unknown job."""
+        with Session(self.engine) as session, session.begin():
+            row = session.execute(
+                select(Job.status).where(Job.id == job_id).with_for_update()
+            ).first()
+            if row is None:
+                return None
+            status = JobStatus(row.status)
+            if status is JobStatus.QUEUED:
+                _terminalize(session, Outcome(job_id, JobStatus.CANCELLED, now_s,
+                                              error="cancelled before it started"))
+                return JobStatus.CANCELLED
+            if status is JobStatus.RUNNING:
+                session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+            return status
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def begin_deliveries(
+        self, job_ids: Sequence[str], worker_id: str, max_deliveries: int, now_s: float
+    ) -> dict[str, Decision]:
+        """Count one delivery of each job to ``worker_id`` and decide its fate, in one
+        transaction. Jobs decided RUN are ``running`` on ``worker_id`` afterwards."""
+        if not job_ids:
+            return {}
+        decisions = {job_id: Decision.SKIP for job_id in job_ids}
+        with Session(self.engine) as session, session.begin():
+            rows = session.execute(
+                select(Job.id, Job.status, Job.attempts, Job.cancel_requested, Job.deadline_at)
+                .where(Job.id.in_(set(job_ids)))
+                .with_for_update()
+            ).all()
+            run: list[str] = []
+            for row in rows:
+                if row.status not in _ACTIVE:
+                    continue
+                attempts = row.attempts + 1
+                deadline = _aware(row.deadline_at)
+                if row.cancel_requested:
+                    outcome = Outcome(row.id, JobStatus.CANCELLED, now_s, error="cancelled")
+                    decisions[row.id] = Decision.CANCELLED
+                elif deadline is not None and deadline.timestamp() <= now_s:
+                    outcome = Outcome(row.id, JobStatus.EXPIRED, now_s,
+                                      error="deadline passed before the job ran")
+                    decisions[row.id] = Decision.EXPIRED
+                elif attempts > max_deliveries:
+                    outcome = Outcome(
+                        row.id, JobStatus.FAILED, now_s,
+                        error=f"dead-lettered: delivered {attempts} times "
+                              f"(limit {max_deliveries}) without finishing",
+                    )
+                    decisions[row.id] = Decision.DEAD
+                else:
+                    run.append(row.id)
+                    decisions[row.id] = Decision.RUN
+                    continue
+                _terminalize(session, outcome, worker_id=worker_id)
+            if run:
+                session.execute(
+                    update(Job).where(Job.id.in_(run)).values(
+                        status=JobStatus.RUNNING.value,
+                        attempts=Job.attempts + 1,
+                        worker_id=worker_id,
+                        started_at=func.coalesce(Job.started_at, to_dt(now_s)),
+                    )
+                )
+        return decisions
+
+    def finish(self, outcomes: Iterable[Outcome], worker_id: str | None = None) -> set[str]:
+        """Store terminal outcomes in one transaction; return the ids that became terminal now
+        (the others were terminal already and are left untouched)."""
+        done: set[str] = set()
+        with Session(self.engine) as session, session.begin():
+            for outcome in outcomes:
+                if _terminalize(session, outcome, worker_id=worker_id):
+                    done.add(outcome.job_id)
+        return done
+
+    def release(self, job_ids: Sequence[str], worker_id: str) -> int:
+        """Hand running jobs back to the queue without counting the attempt."""
+        if not job_ids:
+            return 0
+        with Session(self.engine) as session, session.begin():
+            res = session.execute(
+                update(Job)
+                .where(Job.id.in_(job_ids), Job.status == JobStatus.RUNNING.value,
+                       Job.worker_id == worker_id)
+                .values(status=JobStatus.QUEUED.value, worker_id=None,
+                        attempts=case((Job.attempts > 0, Job.attempts - 1), else_=0))
+            )
+            return res.rowcount or 0
+
+    # -- reconciler --------------------------------------------------------------------------
+
+    def active_jobs(self, model: str, created_before_s: float) -> list[tuple[str, str, str | None]]:
+        """(id, status, worker_id) of queued/running jobs of ``model`` submitted before then."""
+        with Session(self.engine) as session:
+            rows = session.execute(
+                select(Job.id, Job.status, Job.worker_id).where(
+                    Job.model == model, Job.status.in_(_ACTIVE),
+                    Job.created_at < to_dt(created_before_s),
+                )
+            ).all()
+        return [(r.id, r.status, r.worker_id) for r in rows]
+
+    def specs(self, job_ids: Sequence[str]) -> list[JobSpec]:
+        with Session(self.engine) as session:
+            rows = session.scalars(select(Job.spec).where(Job.id.in_(job_ids))).all()
+        return [JobSpec.model_validate(r) for r in rows]
+
+    def expire_overdue(self, model: str, now_s: float) -> list[str]:
+        """Mark queued jobs of ``model`` whose deadline passed as expired; return their ids."""
+        with Session(self.engine) as session, session.begin():
+            ids = session.scalars(
+                select(Job.id).where(
+                    Job.model == model, Job.status == JobStatus.QUEUED.value,
+                    Job.deadline_at.is_not(None), Job.deadline_at <= to_dt(now_s),
+                ).with_for_update()
+            ).all()
+            return [
+                job_id for job_id in ids
+                if _terminalize(session, Outcome(job_id, JobStatus.EXPIRED, now_s,
+                                                 error="deadline passed before the job ran"))
+            ]
+
+    # -- readers -----------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobInfo | None:
+        infos = self.get_many([job_id])
+        return infos[0] if infos else None
+
+    def get_many(self, job_ids: Sequence[str]) -> list[JobInfo]:
+        with Session(self.engine) as session:
+            rows = session.execute(
+                select(Job, JobMetrics)
+                .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
+                .where(Job.id.in_(job_ids))
+            ).all()
+        return [_info(job, metrics) for job, metrics in rows]
+
+    def count_by_status(self, model: str | None = None,
+                        batch_id: str | None = None) -> dict[JobStatus, int]:
+        query = select(Job.status, func.count()).group_by(Job.status)
+        if model is not None:
+            query = query.where(Job.model == model)
+        if batch_id is not None:
+            query = query.where(Job.batch_id == batch_id)
+        with Session(self.engine) as session:
+            return {JobStatus(s): n for s, n in session.execute(query).all()}
+
+
+def _job_row(spec: JobSpec) -> dict[str, Any]:
+    return {
+        "id": spec.id,
+        "batch_id": spec.batch_id,
+        "custom_id": spec.custom_id,
+        "model": spec.model,
+        "status": JobStatus.QUEUED.value,
+        "priority": spec.priority,
+        "spec": spec.model_dump(mode="json"),
+        "meta": spec.metadata,
+        "created_at": to_dt(spec.submitted_at),
+        "deadline_at": spec.deadline,
+        "attempts": 0,
+        "cancel_requested": False,
+    }
+
+
+def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = None) -> bool:
+    """Move one active job to its terminal state with its metrics row; False if it was not
+    active (someone else finished it first)."""
+    values: dict[str, Any] = {
+        "status": outcome.status.value,
+        "finished_at": to_dt(outcome.finished_at),
+        "error": outcome.error,
+    }
+    if worker_id is not None:
+        values["worker_id"] = worker_id
+    result = outcome.result
+    if result is not None:
+        values.update(
+            text=result.text,
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            choices=[c.model_dump(mode="json") for c in result.choices] or None,
+        )
+    res = session.execute(
+        update(Job).where(Job.id == outcome.job_id, Job.status.in_(_ACTIVE)).values(**values)
+    )
+    if res.rowcount != 1:
+        return False
+    stats = outcome.stats or JobStats()
+    session.execute(insert(JobMetrics).values(job_id=outcome.job_id, **stats.model_dump()))
+    return True
+
+
+def _info(job: Job, metrics: JobMetrics | None) -> JobInfo:
+    status = JobStatus(job.status)
+    result = stats = None
+    if metrics is not None:
+        stats = JobStats(
+            queue_wait_s=metrics.queue_wait_s, ttft_s=metrics.ttft_s, tpot_s=metrics.tpot_s,
+            e2e_s=metrics.e2e_s, prompt_tokens=metrics.prompt_tokens,
+            cached_prompt_tokens=metrics.cached_prompt_tokens,
+            generated_tokens=metrics.generated_tokens, peak_kv_blocks=metrics.peak_kv_blocks,
+            peak_kv_bytes=metrics.peak_kv_bytes, preemptions=metrics.preemptions,
+        )
+    if job.text is not None or job.token_ids is not None:
+        result = JobResult(
+            text=job.text or "",
+            token_ids=job.token_ids or [],
+            finish_reason=job.finish_reason,
+            logprobs=job.logprobs,
+            usage=Usage(
+                prompt_tokens=stats.prompt_tokens if stats else 0,
+                cached_prompt_tokens=stats.cached_prompt_tokens if stats else 0,
+                completion_tokens=stats.generated_tokens if stats else 0,
+            ),
+            choices=[Choice.model_validate(c) for c in job.choices or []],
+        )
+    return JobInfo(
+        id=job.id, batch_id=job.batch_id, custom_id=job.custom_id, model=job.model,
+        status=status, priority=job.priority, metadata=job.meta or {},
+        created_at=_aware(job.created_at), started_at=_aware(job.started_at),
+        finished_at=_aware(job.finished_at), deadline=_aware(job.deadline_at),
+        attempts=job.attempts, worker_id=job.worker_id, error=job.error,
+        result=result, stats=stats,
+    )

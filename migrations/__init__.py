@@ -1,0 +1,1 @@
+"""Alembic migrations of the kvbatch SQL schema; run them with ``kvbatch db upgrade``."""
