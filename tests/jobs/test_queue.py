@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import time
+
+import redis
+import sqlalchemy as sa
+
+from jobs.client import JobClient
+from jobs.constants import CONSUMER_GROUP, Keys
+from jobs.queue import JobQueue
+from jobs.reconcile import reconcile
+from jobs.schemas import JobSpec, JobStatus
+from jobs.store import Decision
+
+
+def _specs(n: int, model: str = "m") -> list[JobSpec]:
+    return [JobSpec(model=model, prompt=f"p{i}") for i in range(n)]
+
+
+def test_pull_is_bounded_by_count_and_ack_deletes(redis_client: redis.Redis, keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    specs = _specs(5)
+    q.enqueue(specs)
+    assert q.depth() == (5, 0)
+    got = q.read("w1", count=3)
+    assert [d.job_id for d in got] == [s.id for s in specs[:3]]
+    assert q.depth() == (2, 3)
+    q.ack([d.entry_id for d in got])
+    assert q.depth() == (2, 0)
+    assert q.job_ids_in_stream() == {s.id for s in specs[3:]}
+    assert q.read("w1", count=0) == []
+
+
+def test_orphans_of_dead_worker_are_claimed_and_live_ones_never(
+    redis_client: redis.Redis, keys: Keys
+) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    q.enqueue(_specs(4))
+    for w in ("dead", "slow", "claimer", "rival"):
+        q.heartbeat(w, lease_ttl_ms=300 if w == "dead" else 10_000)
+    held_dead = q.read("dead", count=3)
+    held_slow = q.read("slow", count=1)
+    assert q.claim_orphans("claimer", count=10, min_idle_ms=100) == []  # everyone alive
+    time.sleep(0.4)  # "dead" stops heartbeating; its lease expires
+    claimed = q.claim_orphans("claimer", count=2, min_idle_ms=100)
+    assert [d.entry_id for d in claimed] == [d.entry_id for d in held_dead[:2]]
+    # A rival claiming right after gets nothing of what was just claimed (idle reset)...
+    rest = q.claim_orphans("rival", count=10, min_idle_ms=100)
+    assert [d.entry_id for d in rest] == [held_dead[2].entry_id]
+    # ...and the slow-but-alive worker keeps its job.
+    pending = redis_client.xpending_range(q.stream, CONSUMER_GROUP, "-", "+", 10)
+    owners = {p["message_id"]: p["consumer"] for p in pending}
+    assert owners[held_slow[0].entry_id] == "slow"
+    # The next pass removes the dead consumer, which holds nothing any more.
+    assert q.claim_orphans("claimer", count=10, min_idle_ms=100) == []
+    consumers = redis_client.xinfo_consumers(q.stream, CONSUMER_GROUP)
+    assert "dead" not in {c["name"] for c in consumers}
+    assert q.live_workers() >= {"slow", "claimer", "rival"}
+
+
+def test_dead_letter_stream_keeps_payload_and_reason(redis_client: redis.Redis,
+                                                     keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    redis_client.xadd(q.stream, {"garbage": "1"})
+    (d,) = q.read("w", 1)
+    assert d.job_id is None
+    q.dead_letter([d], ["malformed message: no job id"])
+    assert q.depth() == (0, 0)
+    ((_, fields),) = redis_client.xrange(keys.dead_letter("m"))
+    assert fields["reason"] == "malformed message: no job id"
+
+
+def test_submit_is_durable_and_reconciler_restores_lost_stream(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine
+) -> None:
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit(_specs(4))
+    q = JobQueue(redis_client, "m", keys)
+    assert q.job_ids_in_stream() == set(ids)
+    # Worker w1 (alive) runs ids[0]; worker w2 (dead) ran ids[1].
+    q.heartbeat("w1", 10_000)
+    client.store.begin_deliveries([ids[0]], "w1", 3, time.time())
+    client.store.begin_deliveries([ids[1]], "w2", 3, time.time())
+    redis_client.delete(q.stream)  # Redis lost its data
+
+    report = reconcile(client.store, q, grace_s=0.0)
+    assert sorted(report.requeued) == sorted(ids[1:])
+    assert q.job_ids_in_stream() == set(ids[1:])
+    assert reconcile(client.store, q, grace_s=0.0).requeued == []  # nothing missing now
+    # Jobs younger than the grace period may still be on their way to the stream.
+    redis_client.delete(q.stream)
+    assert reconcile(client.store, q, grace_s=3600).requeued == []
+
+
+def test_cancel_queued_and_running(redis_client: redis.Redis, keys: Keys,
+                                   pg_engine: sa.Engine) -> None:
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    a, b = client.submit(_specs(2))
+    assert client.cancel(a) is JobStatus.CANCELLED
+    assert client.wait([a], timeout_s=1)[0].status is JobStatus.CANCELLED
+    assert client.store.begin_deliveries([b], "w", 3, time.time()) == {b: Decision.RUN}
+    assert client.cancel(b) is JobStatus.RUNNING
+    q = JobQueue(redis_client, "m", keys)
+    assert q.cancel_requested([a, b]) == [b]

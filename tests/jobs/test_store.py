@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from pydantic import ValidationError
+
+from jobs.constants import MAX_PAYLOAD_BYTES
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, decode_job, encode_job
+from jobs.store import Decision, JobStore, Outcome
+
+
+def _spec(i: int = 0, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
+    return JobSpec(model="m", prompt=f"prompt {i}", **kw)
+
+
+def test_schema_round_trip_and_validation() -> None:
+    spec = JobSpec(model="m", messages=[{"role": "user", "content": "hi"}],
+                   sampling={"temperature": 0.0, "max_tokens": 4}, metadata={"k": [1, 2]})
+    assert decode_job(encode_job(spec)) == spec
+    assert spec.engine_prompt() == [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValidationError, match="exactly one"):
+        JobSpec(model="m")
+    with pytest.raises(ValidationError, match="exactly one"):
+        JobSpec(model="m", prompt="a", messages=[{"role": "user", "content": "b"}])
+    with pytest.raises(ValidationError, match="extra"):
+        JobSpec(model="m", prompt="a", sampling={"temprature": 0.5})
+    with pytest.raises(ValueError, match="limit"):
+        encode_job(JobSpec(model="m", prompt="x" * MAX_PAYLOAD_BYTES))
+    with pytest.raises(ValueError):
+        decode_job(b"not json")
+    assert JobStatus("expired").terminal and not JobStatus.RUNNING.terminal
+
+
+def test_deliveries_count_attempts_and_dead_letter_past_limit(sql_engine: sa.Engine) -> None:
+    store = JobStore(sql_engine)
+    spec = _spec()
+    store.insert_jobs([spec])
+    now = time.time()
+    for attempt in (1, 2):
+        assert store.begin_deliveries([spec.id], "w1", max_deliveries=2, now_s=now) == {
+            spec.id: Decision.RUN
+        }
+        assert store.get(spec.id).attempts == attempt
+    assert store.begin_deliveries([spec.id], "w2", 2, now) == {spec.id: Decision.DEAD}
+    info = store.get(spec.id)
+    assert info.status is JobStatus.FAILED and "dead-lettered" in info.error
+    assert info.stats is not None  # every terminal job has its metrics row
+    assert store.begin_deliveries([spec.id], "w3", 2, now) == {spec.id: Decision.SKIP}
+    assert store.begin_deliveries(["unknown"], "w3", 2, now) == {"unknown": Decision.SKIP}
+
+
+def test_exactly_one_terminal_transition(sql_engine: sa.Engine) -> None:
+    store = JobStore(sql_engine)
+    spec = _spec()
+    store.insert_jobs([spec])
+    store.begin_deliveries([spec.id], "w1", 3, time.time())
+    result = JobResult(text="hello", token_ids=[1, 2], finish_reason="length")
+    stats = JobStats(ttft_s=0.5, prompt_tokens=7, generated_tokens=2, peak_kv_blocks=1)
+    first = Outcome(spec.id, JobStatus.SUCCEEDED, time.time(), result=result, stats=stats)
+    assert store.finish([first], worker_id="w1") == {spec.id}
+    dup = Outcome(spec.id, JobStatus.FAILED, time.time(), error="late duplicate")
+    assert store.finish([dup], worker_id="w2") == set()
+    info = store.get(spec.id)
+    assert (info.status, info.worker_id, info.error) == (JobStatus.SUCCEEDED, "w1", None)
+    assert info.result.text == "hello" and info.result.usage.prompt_tokens == 7
+    with sql_engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT job_id, status, ttft_s FROM job_stats")).all()
+    assert [tuple(r) for r in rows] == [(spec.id, "succeeded", 0.5)]
+
+
+def test_cancel_deadline_release_and_batches(sql_engine: sa.Engine) -> None:
+    store = JobStore(sql_engine)
+    now = time.time()
+    queued, running, late = _spec(1), _spec(2), _spec(3, deadline=datetime.now(UTC)
+                                                       - timedelta(seconds=1))
+    batched = [_spec(10 + i, batch_id="b1", custom_id=f"row-{i}") for i in range(3)]
+    store.insert_jobs([queued, running, late, *batched])
+    assert store.count_by_status(batch_id="b1") == {JobStatus.QUEUED: 3}
+    with pytest.raises(sa.exc.IntegrityError):  # custom ids are unique within a batch
+        store.insert_jobs([_spec(99, batch_id="b1", custom_id="row-0")])
+
+    assert store.request_cancel(queued.id, now) is JobStatus.CANCELLED
+    assert store.begin_deliveries([queued.id], "w", 3, now) == {queued.id: Decision.SKIP}
+
+    assert store.begin_deliveries([running.id], "w", 3, now) == {running.id: Decision.RUN}
+    assert store.request_cancel(running.id, now) is JobStatus.RUNNING  # the worker aborts it
+    assert store.get(running.id).status is JobStatus.RUNNING
+    assert store.release([running.id], "w") == 1  # hand-back gives the attempt back
+    info = store.get(running.id)
+    assert (info.status, info.attempts, info.worker_id) == (JobStatus.QUEUED, 0, None)
+    # A redelivered job whose cancel was requested is not run.
+    assert store.begin_deliveries([running.id], "w", 3, now) == {running.id: Decision.CANCELLED}
+
+    assert store.expire_overdue("m", now) == [late.id]
+    assert store.get(late.id).status is JobStatus.EXPIRED
+    assert store.request_cancel("nope", now) is None
