@@ -49,5 +49,15 @@ def get_ops(backend: str) -> AttentionOps:
             prefill=reference.paged_attention_prefill,
         )
     if backend == "triton":
-        raise NotImplementedError("the Triton attention backend is not built yet")
+        # Imported here so that the torch backend never imports triton (nor compiles anything).
+        from kernels.paged_decode import paged_attention_decode
+        from kernels.paged_prefill import paged_attention_prefill
+        from kernels.reshape_and_cache import reshape_and_cache
+
+        return AttentionOps(
+            name="triton",
+            reshape_and_cache=reshape_and_cache,
+            decode=paged_attention_decode,
+            prefill=paged_attention_prefill,
+        )
     raise ValueError(f"unknown attention backend {backend!r}")

@@ -1,0 +1,317 @@
+"""Triton paged-attention decode: one new query token per sequence over its paged context.
+
+One program owns a (sequence, KV head, split): it holds the GROUP query heads that share the
+KV head as the rows of one tile, so each K/V byte is read once per group, not once per head.
+Long contexts are cut into ``num_splits`` partitions (split-K): each program writes an
+unnormalised partial result with its softmax max and sum, and a second kernel merges the
+partials. With one split the first kernel writes the output directly (``SPLIT=False``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.online_softmax import LOG2_E, attend_paged_tiles, dot_config
+
+TILE_N = 64  # key tokens per inner-loop step (several KV blocks when block_size < 64)
+MIN_ROWS = 16  # tl.dot needs at least 16 rows; heads beyond GROUP are masked padding
+MIN_PARTITION_TOKENS = 256  # shorter partitions cost more in merging than they gain
+PROGRAMS_PER_SM = 8  # enough resident programs per SM to keep HBM busy
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,  # [num_seqs, num_heads, head_dim], written when not SPLIT
+    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32, when SPLIT
+    partial_m_ptr,  # [num_seqs, num_heads, num_splits] fp32, when SPLIT
+    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32, when SPLIT
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    qk_scale,
+    partition_size,  # key tokens per split, a multiple of TILE_N
+    stride_out_seq,
+    stride_out_head,
+    stride_pacc_seq,
+    stride_pacc_head,
+    stride_pacc_split,
+    stride_pml_seq,
+    stride_pml_head,
+    stride_query_seq,
+    stride_query_head,
+    stride_kc_block,
+    stride_kc_token,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_token,
+    stride_vc_head,
+    stride_bt_seq,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    if start >= seq_len:
+        return  # this sequence is shorter than the split; the merge ignores the slot
+    end = tl.minimum(start + partition_size, seq_len)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_m  # [BLOCK_M]
+    q = tl.load(
+        query_ptr + seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    query_pos = tl.full([BLOCK_M], 0, tl.int32) + (seq_len - 1)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = attend_paged_tiles(
+        acc,
+        m_i,
+        l_i,
+        q,
+        query_pos,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr + seq * stride_bt_seq,
+        kv_head,
+        start,
+        end,
+        qk_scale,
+        stride_kc_block,
+        stride_kc_token,
+        stride_kc_head,
+        stride_vc_block,
+        stride_vc_token,
+        stride_vc_head,
+        BLOCK_SIZE,
+        TILE_N,
+        HEAD_DIM,
+        BLOCK_D,
+        DOT_DTYPE,
+        DOT_PRECISION,
+    )
+
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    if SPLIT:
+        pacc_offs = (
+            seq * stride_pacc_seq
+            + heads[:, None] * stride_pacc_head
+            + split * stride_pacc_split
+            + offs_d[None, :]
+        )
+        tl.store(partial_acc_ptr + pacc_offs, acc, mask=mask_md)
+        pml_offs = seq * stride_pml_seq + heads * stride_pml_head + split
+        tl.store(partial_m_ptr + pml_offs, m_i, mask=mask_m)
+        tl.store(partial_l_ptr + pml_offs, l_i, mask=mask_m)
+    else:
+        out = acc / l_i[:, None]
+        out_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_md)
+
+
+@triton.jit
+def _paged_decode_merge_kernel(
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
+    partial_m_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    seq_lens_ptr,  # [num_seqs] int32
+    partition_size,
+    stride_out_seq,
+    stride_out_head,
+    stride_pacc_seq,
+    stride_pacc_head,
+    stride_pacc_split,
+    stride_pml_seq,
+    stride_pml_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, partition_size)  # splits this sequence actually wrote
+    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
+    mask_d = offs_d < HEAD_DIM
+
+    pml_offs = seq * stride_pml_seq + head * stride_pml_head + offs_s
+    m = tl.load(partial_m_ptr + pml_offs, mask=mask_s, other=float("-inf"))  # [BLOCK_SPLITS]
+    l_s = tl.load(partial_l_ptr + pml_offs, mask=mask_s, other=0.0)
+    m_max = tl.max(m, 0)  # finite: split 0 always sees key 0
+    weight = tl.exp2(m - m_max)  # 0 for the masked splits
+    pacc_offs = (
+        seq * stride_pacc_seq
+        + head * stride_pacc_head
+        + offs_s[:, None] * stride_pacc_split
+        + offs_d[None, :]
+    )
+    acc = tl.load(partial_acc_ptr + pacc_offs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)  # [BLOCK_D]
+    out_offs = seq * stride_out_seq + head * stride_out_head + offs_d
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def default_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
+) -> int:
+    """Splits per sequence so that a few long sequences still fill every SM."""
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        num_sms = 1  # the interpreter: one "SM", splitting only adds work
+    wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, triton.cdiv(max_context, MIN_PARTITION_TOKENS)))
+
+
+def _launch_paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # tests pass a poisoned one to see every element written
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
+    assert num_heads % num_kv_heads == 0
+    assert query.dtype == key_cache.dtype == value_cache.dtype
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,)
+    assert seq_lens.is_contiguous()
+    for t in (query, key_cache, value_cache):
+        assert t.stride(-1) == 1, "the kernel assumes a unit stride along head_dim"
+    if out is None:
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
+    if num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    # The largest context the block tables can describe: a bound known without a device sync.
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+    partition_size = triton.cdiv(triton.cdiv(max_context, num_splits), TILE_N) * TILE_N
+    num_splits = triton.cdiv(max_context, partition_size)
+    split = num_splits > 1
+    if split:
+        partial_acc = torch.empty(
+            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
+        )
+        partial_m = torch.empty(
+            num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
+        )
+        partial_l = torch.empty_like(partial_m)
+    else:  # unused by the kernel; any fp32 tensors will do
+        partial_acc = partial_m = partial_l = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
+    dot_dtype, dot_precision = dot_config(query.dtype)
+    block_d = triton.next_power_of_2(head_dim)
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out,
+        partial_acc,
+        partial_m,
+        partial_l,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale * LOG2_E,
+        partition_size,
+        out.stride(0),
+        out.stride(1),
+        partial_acc.stride(0),
+        partial_acc.stride(1),
+        partial_acc.stride(2),
+        partial_m.stride(0),
+        partial_m.stride(1),
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        SPLIT=split,
+        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        TILE_N=TILE_N,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision,
+    )
+    if split:
+        _paged_decode_merge_kernel[(num_seqs, num_heads)](
+            out,
+            partial_acc,
+            partial_m,
+            partial_l,
+            seq_lens,
+            partition_size,
+            out.stride(0),
+            out.stride(1),
+            partial_acc.stride(0),
+            partial_acc.stride(1),
+            partial_acc.stride(2),
+            partial_m.stride(0),
+            partial_m.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new token
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Attention of one new token per sequence over its whole paged context.
+
+    Args:
+        query: the new token's query heads; fp16, bf16 or fp32, the cache's dtype.
+        key_cache, value_cache: the block pool of one layer, new tokens already written.
+        block_tables: logical block -> physical block, per sequence; rows may be padded.
+        seq_lens: context length per sequence, at least 1, including the new token.
+        scale: the softmax scale, usually ``head_dim ** -0.5``.
+
+    Returns:
+        The attention output, in the query's dtype (accumulated in fp32).
+    """
+    return _launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,84 @@
+"""Paged decode against the reference, single-pass and split-K, on awkward shapes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.paged_decode import _launch_paged_decode, default_num_splits
+
+# Context lengths around block boundaries, plus a long one that spans several splits.
+SEQ_LENS = [1, 15, 16, 17, 333]
+HEAD_DIMS = [64, 80, 13]
+BLOCK_SIZES = [16, 32]
+HEADS = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
+
+
+def run_decode(batch, num_splits):
+    head_dim = batch.query.shape[2]
+    scale = head_dim**-0.5
+    poisoned = torch.full_like(batch.query, float("nan"))
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens)
+    out = _launch_paged_decode(*args, scale, num_splits=num_splits, out=poisoned)
+    return out, reference.paged_attention_decode(*args, scale)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "heads", "num_splits"),
+    list(itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS, [1, 3])),
+)
+def test_fp32_matches_reference(
+    paged_batch, assert_matches, head_dim, block_size, heads, num_splits
+):
+    num_heads, num_kv_heads = heads
+    batch = paged_batch(
+        [(n, 1) for n in SEQ_LENS],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    assert_matches(*run_decode(batch, num_splits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, num_splits):
+    batch = paged_batch(
+        [(n, 1) for n in SEQ_LENS],
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=80,
+        block_size=16,
+        dtype=dtype,
+    )
+    assert_matches(*run_decode(batch, num_splits))
+
+
+def test_more_splits_than_a_short_sequence_needs(paged_batch, assert_matches):
+    # Splits past a sequence's end write nothing; the merge must ignore their slots.
+    batch = paged_batch(
+        [(1, 1), (70, 1), (200, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16
+    )
+    assert_matches(*run_decode(batch, num_splits=8))
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "num_kv_heads", "max_context", "num_sms", "expected"),
+    [
+        (1, 8, 8192, 132, 32),  # one long sequence: split up to the minimum partition
+        (16, 8, 8192, 132, 9),  # a few long sequences: enough programs to fill the SMs
+        (256, 8, 8192, 132, 1),  # a big batch fills the GPU by itself
+        (1, 8, 100, 132, 1),  # a short context is never split
+    ],
+)
+def test_default_num_splits(monkeypatch, num_seqs, num_kv_heads, max_context, num_sms, expected):
+    class Props:
+        multi_processor_count = num_sms
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    device = torch.device("cuda")
+    assert default_num_splits(num_seqs, num_kv_heads, max_context, device) == expected
