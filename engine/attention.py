@@ -1,0 +1,68 @@
+"""Attention metadata of one step and the paged-attention layer that consumes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import AttentionOps
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a flattened varlen batch reads and writes its KV.
+
+    The first ``num_decode_tokens`` tokens are decodes (one token per sequence, so the first
+    ``num_decode_tokens`` sequences); the rest are prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    num_decode_tokens: int
+    prefill_query_start_loc: torch.Tensor  # [B - num_decode + 1] int32, rebased to 0
+
+
+class PagedAttention(torch.nn.Module):
+    """Writes the step's K/V into the block pool, then attends over each sequence's blocks."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: AttentionOps):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.ops = ops
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, D]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0]:
+            return self.ops.decode(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        prefill = self.ops.prefill(
+            q[nd:],
+            key_cache,
+            value_cache,
+            meta.block_tables[nd:],
+            meta.prefill_query_start_loc,
+            meta.seq_lens[nd:],
+            self.scale,
+        )
+        if nd == 0:
+            return prefill
+        decode = self.ops.decode(
+            q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
+        )
+        return torch.cat([decode, prefill])

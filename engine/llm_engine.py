@@ -1,0 +1,383 @@
+"""The engine: requests in, one pipeline step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, RuntimeInfo
+from engine.kv_cache import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.models import loader
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import RequestMetrics, Sequence
+from kernels import get_ops, resolve_backend
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int] | list[dict[str, str]]
+# Tokens decoded past the longest stop string when looking for it in new output.
+_STOP_WINDOW_EXTRA_TOKENS = 8
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n
+
+
+class LLMEngine:
+    """Paged-KV engine with continuous batching, chunked prefill and prefix caching.
+
+    Each :meth:`step` is ``schedule -> run -> update``. :meth:`generate` runs a list of
+    prompts to completion; :meth:`add_request` / :meth:`step` / :meth:`abort_request` are the
+    streaming core a worker drives.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = config.resolve_device()
+        model_dir = loader.resolve_model_dir(config.model)
+        hf_config = loader.load_config(model_dir)
+        self.tokenizer = loader.load_tokenizer(model_dir)
+        max_model_len = _max_model_len(config, hf_config)
+
+        backend = resolve_backend(config.attention_backend, device)
+        torch.manual_seed(config.seed)
+        with torch.device(device):
+            model = LlamaForCausalLM(hf_config, get_ops(backend), max_model_len)
+        model.load_weights(loader.iter_safetensors(model_dir))
+        model = model.to(dtype=config.torch_dtype).eval()
+
+        per_block = (
+            2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
+            * config.torch_dtype.itemsize
+        )
+        num_blocks = config.num_kv_blocks or max(1, _kv_budget(config, device) // per_block)
+        if num_blocks * config.block_size < max_model_len:
+            log.warning(
+                "KV pool holds %d tokens: max_model_len lowered from %d",
+                num_blocks * config.block_size,
+                max_model_len,
+            )
+            max_model_len = num_blocks * config.block_size
+        kv_caches = torch.zeros(
+            (model.num_layers, 2, num_blocks, config.block_size, model.num_kv_heads,
+             model.head_dim),
+            dtype=config.torch_dtype,
+            device=device,
+        )
+        self.info = RuntimeInfo(
+            device=device,
+            attention_backend=backend,
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=per_block,
+            max_model_len=max_model_len,
+            vocab_size=hf_config.vocab_size,
+            eos_token_ids=loader.eos_token_ids(model_dir, hf_config, self.tokenizer),
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, max_model_len)
+        self.runner = ModelRunner(
+            model, kv_caches, config.block_size, self.info.eos_token_ids, config.seed
+        )
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text, token ids, or chat messages (``[{"role": ..., "content": ...}]``,
+                rendered with the tokenizer's chat template).
+            params: sampling parameters (defaults: ``SamplingParams()``).
+            priority: lower values are scheduled first and preempted last.
+            cache_salt: requests share cached prefix blocks only with the same salt.
+
+        Raises:
+            ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
+                or a prompt that leaves no room for one token within ``max_model_len``.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._tokenize(prompt)
+        now = time.monotonic()
+        metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            metrics=metrics,
+            priority=priority,
+            arrival_order=next(self._arrivals),
+            cache_salt=cache_salt,
+        )
+        self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; the next :meth:`step` reports it (``abort``)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        live = [s for s in req.seqs if not s.is_finished]
+        self.scheduler.finish(live, "abort")
+        self._aborted.append(self._output(req, finished=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; return the requests that progressed or finished."""
+        outputs, self._aborted = self._aborted, []
+        if not self.scheduler.has_unfinished():
+            return outputs
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        sampled = self.runner.run(batch)
+        progressed = self.scheduler.update(batch, sampled)
+
+        stopped: dict[str, list[Sequence]] = {}
+        for seq in progressed:
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                stopped.setdefault(reason, []).append(seq)
+        for reason, seqs in stopped.items():
+            self.scheduler.finish(seqs, reason)
+
+        touched = dict.fromkeys(seq.request_id for seq in progressed)
+        for request_id in touched:
+            req = self._requests[request_id]
+            if len(req.seqs) < req.params.n:  # forked this step
+                req.seqs = [s for s in progressed if s.request_id == request_id]
+            finished = req.finished
+            if finished:
+                del self._requests[request_id]
+            outputs.append(self._output(req, finished))
+        return outputs
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one output per prompt, in input order.
+
+        Args:
+            prompts: texts, token-id lists or chat message lists.
+            params: one ``SamplingParams`` for all prompts, or one per prompt.
+            use_tqdm: show a progress bar.
+
+        A prompt that is invalid gets an output with ``finish_reason == "error"`` and its
+        ``error``; the other prompts still complete.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            per_prompt = [params or SamplingParams()] * len(prompts)
+        else:
+            per_prompt = list(params)
+            if len(per_prompt) != len(prompts):
+                raise ValueError(
+                    f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
+                )
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        results: dict[str, RequestOutput] = {}
+        for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+            try:
+                self.add_request(request_id, prompt, p)
+            except ValueError as exc:
+                results[request_id] = self._error_output(request_id, str(exc))
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
+        bar.update(len(results))
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished and out.request_id in ids:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_total=pool.num_blocks,
+            num_kv_blocks_free=pool.num_free_blocks,
+            kv_usage=pool.usage(),
+            kv_bytes_per_block=self.info.kv_bytes_per_block,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            num_preemptions=c.num_preemptions,
+            num_prompt_tokens=c.num_prompt_tokens_computed,
+            num_generated_tokens=c.num_generated_tokens,
+            num_steps=c.num_steps,
+            num_batched_tokens=c.num_batched_tokens,
+        )
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            for m in prompt:
+                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError("each chat message needs string 'role' and 'content'")
+            text = self.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=False
+            )
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"token ids outside the vocabulary [0, {self.info.vocab_size}): {bad[:5]}"
+                )
+        else:
+            raise ValueError("prompt must be a string, a list of token ids or chat messages")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.info.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len {self.info.max_model_len} "
+                "leaves no room to generate"
+            )
+        return token_ids
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            last = seq.token_ids[-1]
+            if (not p.ignore_eos and last in self.info.eos_token_ids) or (
+                last in p.stop_token_ids
+            ):
+                return "stop"
+            if p.stop and self._find_stop(seq.output_token_ids, p.stop, tail=True) is not None:
+                return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.info.max_model_len:
+            return "length"
+        return None
+
+    def _find_stop(self, token_ids: list[int], stops: Seq[str], tail: bool) -> int | None:
+        """Index in the decoded text where the first stop string starts, if any."""
+        if tail:
+            window = max(len(s) for s in stops) + _STOP_WINDOW_EXTRA_TOKENS
+            token_ids = token_ids[-window:]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        completions = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            out_ids = seq.output_token_ids
+            text = ""
+            if seq.is_finished:
+                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+                if seq.finish_reason == "stop" and seq.params.stop:
+                    cut = self._find_stop(out_ids, seq.params.stop, tail=False)
+                    text = text if cut is None else text[:cut]
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=out_ids,
+                    text=text,
+                    finish_reason=seq.finish_reason,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                )
+            )
+        m = req.metrics
+        if finished:
+            m.finish_time = time.monotonic()
+            m.num_generated_tokens = sum(len(c.token_ids) for c in completions)
+            m.peak_kv_bytes = m.peak_kv_blocks * self.info.kv_bytes_per_block
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=m,
+        )
+
+    def _error_output(self, request_id: str, error: str) -> RequestOutput:
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=[],
+            outputs=[CompletionOutput(index=0, token_ids=[], finish_reason="error")],
+            finished=True,
+            metrics=RequestMetrics(arrival_time=now, finish_time=now),
+            error=error,
+        )
+
+
+def _max_model_len(config: EngineConfig, hf_config: object) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # Full attention equals sliding-window attention up to the window; beyond it the
+        # engine would compute something else, so it does not go there.
+        model_max = min(model_max, int(window))
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit {model_max}"
+        )
+    return config.max_model_len
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.gpu_memory_utilization)
+    return DEFAULT_CPU_KV_BYTES
+

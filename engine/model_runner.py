@@ -1,0 +1,113 @@
+"""Turns a scheduler output into one forward over a flattened varlen batch, then samples."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampled, Sampler, SampleRow
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensor and the sampler.
+
+    ``kv_caches``: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: torch.Tensor,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = kv_caches.device
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.sampler = Sampler(seed)
+        if self.device.type == "cpu":
+            # Denormal activations make CPU matmuls several times slower; flushing them to
+            # zero costs nothing measurable in accuracy (process-wide setting).
+            torch.set_flush_denormal(True)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
+        """Compute the step; return the sampled token(s) per sampling sequence (by seq_id)."""
+        if out.block_copies:
+            src, dst = zip(*out.block_copies, strict=True)
+            self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
+        input_ids, positions, meta = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sampling = [s for s in out.seqs if s.sample]
+        if not sampling:
+            return {}
+        ends = meta.query_start_loc[1:].to(torch.long) - 1
+        last = [i for i, s in enumerate(out.seqs) if s.sample]
+        # A sequence that forks into n samples gets its last row repeated n times.
+        repeats = torch.tensor([1 + s.seq.pending_forks for s in sampling])
+        rows_idx = ends[last].repeat_interleave(repeats.to(self.device))
+        logits = self.model.compute_logits(hidden[rows_idx]).cpu()
+        rows = [row for s in sampling for row in self._rows(s.seq)]
+        sampled = self.sampler(logits, rows)
+        result: dict[int, list[Sampled]] = {}
+        it = iter(sampled)
+        for s in sampling:
+            result[s.seq.seq_id] = list(itertools.islice(it, 1 + s.seq.pending_forks))
+        return result
+
+    def _rows(self, seq: Sequence) -> list[SampleRow]:
+        p = seq.params
+        blocked = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids or ())
+        extra = seq.fork_generators or [None] * seq.pending_forks
+        generators = [seq.generator, *extra[: seq.pending_forks]]
+        return [
+            SampleRow(p, seq.prompt_token_ids, seq.output_token_ids, g, blocked)
+            for g in generators
+        ]
+
+    def _prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        seqs = out.seqs
+        q_lens = np.fromiter((s.num_new_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.start for s in seqs), dtype=np.int64, count=len(seqs))
+        qsl = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        for s, lo, hi in zip(seqs, qsl[:-1].tolist(), qsl[1:].tolist(), strict=True):
+            input_ids[lo:hi] = s.seq.token_ids[s.start : s.start + s.num_new_tokens]
+        seq_index = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(num_tokens) - qsl[:-1][seq_index] + starts[seq_index]
+
+        max_blocks = max(len(s.seq.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.seq.block_table)] = s.seq.block_table
+        slot_mapping = tables[seq_index, positions // bs].astype(np.int64) * bs + positions % bs
+
+        nd = out.num_decodes
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy((starts + q_lens).astype(np.int32)).to(dev),
+            num_decode_tokens=nd,
+            prefill_query_start_loc=torch.from_numpy((qsl[nd:] - qsl[nd]).astype(np.int32)).to(
+                dev
+            ),
+        )
+        return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta

@@ -1,0 +1,69 @@
+"""What the engine returns: per-request outputs and engine-wide statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sequence import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request. ``text`` is filled in when the sample finishes."""
+
+    index: int
+    token_ids: list[int]
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step; ``finished`` once every sample has finished."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason if self.outputs else "error"
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide counters (cumulative) and gauges (current)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_total: int
+    num_kv_blocks_free: int
+    kv_usage: float
+    kv_bytes_per_block: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    num_preemptions: int
+    num_prompt_tokens: int  # prefill tokens computed by the model
+    num_generated_tokens: int
+    num_steps: int
+    num_batched_tokens: int  # tokens run through the model, all steps
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,124 @@
+"""Batched sampling: penalties, min_tokens, greedy / temperature / top-k / top-p / min-p, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One row of logits to sample from and what it needs to know about its sequence."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None  # per-request seed; None: the engine's generator
+    blocked_token_ids: tuple[int, ...]  # EOS / stop ids masked while under min_tokens
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprobs: dict[int, float] | None  # sampled token and top-k, from the raw logits
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+        """Sample one token per row of ``logits`` ([N, vocab] float32, modified in place)."""
+        raw_logprobs = self._raw_logprobs(logits, rows)
+        for i, row in enumerate(rows):
+            if row.params.has_penalties:
+                _apply_penalties(logits[i], row)
+            if row.blocked_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+                logits[i, list(row.blocked_token_ids)] = float("-inf")
+
+        tokens = torch.empty(len(rows), dtype=torch.long)
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random:
+            tokens[random] = self._sample_random(logits[random], [rows[i] for i in random])
+
+        token_list = tokens.tolist()
+        out = []
+        for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
+            lp = None
+            if raw_logprobs is not None and row.params.logprobs is not None:
+                lp = _logprob_dict(raw_logprobs[i], token, row.params.logprobs)
+            out.append(Sampled(token, lp))
+        return out
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:
+        if not any(r.params.logprobs is not None for r in rows):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype)
+        logits = logits / temps[:, None]
+        if any(r.params.top_k or r.params.top_p < 1.0 for r in rows):
+            logits = _top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = torch.tensor([r.params.min_p for r in rows], dtype=probs.dtype)
+        if bool((min_ps > 0).any()):
+            keep = probs >= probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+            probs = torch.where(keep, probs, torch.zeros_like(probs))
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows draw their
+        # noise from their own generator, so their tokens do not depend on the batch.
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
+                generator=self.generator
+            )
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:  # logits: [vocab]
+    p = row.params
+    vocab = logits.shape[0]
+    output = torch.tensor(row.output_token_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long).unique()
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+        )
+    if output.numel() and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ks = torch.tensor([r.params.top_k or vocab for r in rows])
+    ranks = torch.arange(vocab)[None, :]
+    drop = ranks >= ks[:, None]
+    top_ps = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype)
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the top one stays).
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprob_dict(logprobs: torch.Tensor, token: int, top: int) -> dict[int, float]:
+    result = {token: float(logprobs[token])}
+    if top:
+        values, ids = logprobs.topk(top)
+        for tid, value in zip(ids.tolist(), values.tolist(), strict=True):
+            result.setdefault(tid, value)
+    return result

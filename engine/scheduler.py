@@ -1,0 +1,233 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, prefix reuse, preemption."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.sampler import Sampled
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)``."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    sample: bool  # the chunk reaches the sequence's last token: sample the next one
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes. Decode-shaped entries (one new token) come first."""
+
+    seqs: tuple[ScheduledSeq, ...]
+    num_decodes: int
+    block_copies: tuple[tuple[int, int], ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SchedulerCounters:
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    """Decides each step which sequences run and how many tokens each computes.
+
+    Running sequences go first (decodes and unfinished prefill chunks), then waiting ones in
+    (priority, arrival) order after a prefix-cache lookup, all under one token budget. A
+    waiting sequence whose next uncached block is being computed by a running sequence waits
+    for it instead of computing it again (in-batch prefix dedup). When blocks run out, the
+    lowest-priority, latest running sequence is preempted: its blocks are freed and it goes
+    back to the front of the waiting queue to be recomputed (mostly from the prefix cache).
+    """
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate_slots(seq, n):
+                victim = self._pick_victim(i)
+                preempted = True
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(self._run(seq, n))
+                budget -= n
+                i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(scheduled, budget)
+
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
+        num_batched = self.config.max_num_batched_tokens - budget
+        self.counters.num_steps += 1
+        self.counters.num_batched_tokens += num_batched
+        return SchedulerOutput(
+            seqs=tuple(scheduled),
+            num_decodes=num_decodes,
+            block_copies=tuple(self.kv.take_copies()),
+            num_batched_tokens=num_batched,
+        )
+
+    def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        in_flight = self._in_flight_prefix_hashes()
+        chunked = self.config.enable_chunked_prefill
+        admitted: list[Sequence] = []
+        num_seqs = len(self.running)
+        for seq in self.waiting:
+            seats = 1 + seq.pending_forks
+            if budget == 0 or num_seqs + seats > self.config.max_num_seqs:
+                break
+            cached = self.kv.find_cached_prefix(seq)
+            start = len(cached) * self.kv.block_size
+            if len(cached) < len(seq.block_hashes) and seq.block_hashes[len(cached)] in in_flight:
+                continue  # a running sequence computes this block right now: reuse it next step
+            remaining = seq.num_tokens - start
+            if remaining > budget and not chunked:
+                break
+            n = min(remaining, budget)
+            if not self.kv.can_allocate_slots(seq, n, cached):
+                break
+            self.kv.allocate_slots(seq, n, cached)
+            seq.num_computed_tokens = start
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+                seq.metrics.num_cached_tokens = start
+                self.counters.prefix_cache_queries += seq.num_tokens
+                self.counters.prefix_cache_hits += start
+            seq.status = SequenceStatus.RUNNING
+            scheduled.append(self._scheduled(seq, n))
+            budget -= n
+            num_seqs += seats
+            admitted.append(seq)
+            in_flight.update(self._unscheduled_hashes(seq, start + n))
+        if admitted:
+            ids = {id(s) for s in admitted}
+            self.waiting = [s for s in self.waiting if id(s) not in ids]
+            self.running.extend(admitted)
+        return budget
+
+    def _in_flight_prefix_hashes(self) -> set[bytes]:
+        # Prompt blocks that running sequences have not computed yet.
+        hashes: set[bytes] = set()
+        if self.kv.enable_prefix_caching:
+            for seq in self.running:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    hashes.update(self._unscheduled_hashes(seq, seq.num_computed_tokens))
+        return hashes
+
+    def _unscheduled_hashes(self, seq: Sequence, computed: int) -> list[bytes]:
+        return seq.block_hashes[computed // self.kv.block_size :]
+
+    def _run(self, seq: Sequence, n: int) -> ScheduledSeq:
+        self.kv.allocate_slots(seq, n)
+        return self._scheduled(seq, n)
+
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        if start < seq.num_prompt_tokens:
+            self.counters.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
+        blocks = len(seq.block_table)
+        if blocks > seq.metrics.peak_kv_blocks:
+            seq.metrics.peak_kv_blocks = blocks
+        return ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens)
+
+    def _pick_victim(self, current: int) -> Sequence:
+        # Lowest priority, latest arrival among those not scheduled yet this step; the
+        # current sequence itself when it is the only candidate.
+        candidates = self.running[current:]
+        return max(candidates, key=Sequence.sort_key)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.metrics.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.add(seq)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[Sampled]]) -> list[Sequence]:
+        """Advance sequences after the forward; ``sampled`` maps seq_id -> new token(s).
+
+        A sequence with pending forks receives ``n`` tokens and forks into ``n`` samples.
+        Returns the sequences that produced a token this step (children included).
+        """
+        now = time.monotonic()
+        progressed: list[Sequence] = []
+        for s in out.seqs:
+            seq = s.seq
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            if not s.sample:
+                continue
+            samples = sampled[seq.seq_id]
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            family = [seq]
+            if seq.pending_forks:
+                family += self._fork(seq, seq.pending_forks)
+            for member, sample in zip(family, samples, strict=True):
+                member.token_ids.append(sample.token)
+                if sample.logprobs is not None:
+                    member.logprobs.append(sample.logprobs)
+                self.counters.num_generated_tokens += 1
+                progressed.append(member)
+        return progressed
+
+    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        parent.pending_forks = 0
+        children = [parent.fork(parent.index + k + 1) for k in range(count)]
+        pos = self.running.index(parent) + 1
+        for child in children:
+            self.kv.fork(parent, child)
+        self.running[pos:pos] = children
+        return children
+
+    def finish(self, seqs: Iterable[Sequence], reason: str) -> None:
+        """Finish sequences (any state) and free their blocks at once."""
+        done = {id(s) for s in seqs}
+        for seq in [s for s in (*self.running, *self.waiting) if id(s) in done]:
+            self.kv.free(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = reason
+        self.running = [s for s in self.running if id(s) not in done]
+        self.waiting = [s for s in self.waiting if id(s) not in done]
