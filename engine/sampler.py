@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, min_tokens, greedy / temperature / top-k / top-p / min-p, logprobs."""
+"""Batched sampling: penalties, min_tokens, greedy, temperature, top-k/top-p/min-p, logprobs."""
 
 from __future__ import annotations
 

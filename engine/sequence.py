@@ -118,7 +118,10 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.num_cached_blocks = self.num_cached_blocks
         child.pending_forks = 0
-        child.generator = self.fork_generators[index - self.index - 1] if self.fork_generators else None
+        if self.fork_generators:
+            child.generator = self.fork_generators[index - self.index - 1]
+        else:
+            child.generator = None
         child.fork_generators = []
         child.logprobs = list(self.logprobs)
         return child

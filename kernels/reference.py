@@ -4,9 +4,9 @@ Layouts (shared by every implementation of these ops):
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables:           [num_seqs, max_blocks_per_seq] int32, logical block -> physical block
-    seq_lens:               [num_seqs] int32, tokens of context per sequence *including* the new ones
+    seq_lens:               [num_seqs] int32, context tokens per sequence, new ones included
     query_start_loc:        [num_seqs + 1] int32, prefix sums of the new tokens per sequence
-    slot_mapping:           [num_tokens] int64, physical slot = block * block_size + offset; < 0 is padding
+    slot_mapping:           [num_tokens] int64, slot = block * block_size + offset; < 0 = padding
 
 A sequence with ``q_len`` new tokens and ``seq_len`` tokens of context has its new tokens at
 positions ``seq_len - q_len .. seq_len - 1``; new token ``j`` attends to positions ``0 ..
