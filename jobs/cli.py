@@ -13,6 +13,28 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
+def _worker(args: argparse.Namespace) -> int:
+    import logging
+
+    from worker.main import run_worker
+    from worker.settings import settings_from_args
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_worker(settings_from_args(args))
+
+
+def _db(args: argparse.Namespace) -> int:
+    from jobs import db
+
+    if args.action == "upgrade":
+        db.upgrade(args.database_url, args.revision or "head")
+    elif args.action == "downgrade":
+        db.downgrade(args.database_url, args.revision or "base")
+    print(db.current_revision(args.database_url) or "base")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -22,6 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)
+
+    from worker.settings import add_settings_arguments
+
+    worker = sub.add_parser("worker", help="run a worker: Redis stream → engine → SQL")
+    add_settings_arguments(worker)
+    worker.set_defaults(func=_worker)
+
+    import os
+
+    from jobs.db import DEFAULT_DATABASE_URL
+
+    db = sub.add_parser("db", help="migrate the SQL schema (upgrade, downgrade, current)")
+    db.add_argument("action", choices=["upgrade", "downgrade", "current"])
+    db.add_argument("revision", nargs="?", help="target revision (head / base by default)")
+    db.add_argument("--database-url",
+                    default=os.environ.get("KVBATCH_DATABASE_URL", DEFAULT_DATABASE_URL))
+    db.set_defaults(func=_db)
     return parser
 
 

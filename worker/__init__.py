@@ -1,0 +1,1 @@
+"""The kvbatch worker: Redis stream → engine thread → SQL, with leases and metrics."""
