@@ -113,7 +113,7 @@ class Scheduler:
         in_flight = self._in_flight_prefix_hashes()
         chunked = self.config.enable_chunked_prefill
         admitted: list[Sequence] = []
-        num_seqs = len(self.running)
+        num_seqs = sum(1 + s.pending_forks for s in self.running)  # seats, forks included
         for seq in self.waiting:
             seats = 1 + seq.pending_forks
             if budget == 0 or num_seqs + seats > self.config.max_num_seqs:

@@ -1,0 +1,210 @@
+"""Scheduler bookkeeping without a model: chunking, budgets, prefix dedup, preemption.
+
+The model's place is taken by a fixed next token, which is all the scheduler looks at.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.sampler import Sampled
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import RequestMetrics, Sequence
+
+BS = 16
+NEXT_TOKEN = 7
+
+
+def make_scheduler(
+    num_blocks: int = 64, budget: int = 512, max_seqs: int = 16, caching: bool = True
+) -> Scheduler:
+    config = EngineConfig(
+        max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=caching
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, BS, caching), max_model_len=4096)
+
+
+_order = iter(range(10**9))
+
+
+def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, priority: int = 0,
+        n: int = 1) -> Sequence:
+    seq = Sequence(
+        request_id=f"r{len(sched.waiting) + len(sched.running)}",
+        prompt_token_ids=prompt,
+        params=SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0 if n == 1 else 1.0),
+        metrics=RequestMetrics(arrival_time=time.monotonic()),
+        priority=priority,
+        arrival_order=next(_order),
+    )
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
+    """One scheduler step with a stand-in model; finishes sequences at max_tokens."""
+    out = sched.schedule()
+    sampled = {
+        s.seq.seq_id: [Sampled(NEXT_TOKEN, None)] * (1 + s.seq.pending_forks)
+        for s in out.seqs
+        if s.sample
+    }
+    progressed = sched.update(out, sampled)
+    done = [s for s in progressed if s.num_output_tokens >= s.params.max_tokens]
+    sched.finish(done, "length")
+    return out, done
+
+
+def test_chunked_prefill_splits_at_the_budget() -> None:
+    sched = make_scheduler(budget=7)
+    seq = add(sched, list(range(20)), max_tokens=2)
+    chunks = []
+    for _ in range(3):
+        out, _ = step(sched)
+        (s,) = out.seqs
+        chunks.append((s.start, s.num_new_tokens, s.sample))
+    assert chunks == [(0, 7, False), (7, 7, False), (14, 6, True)]
+    assert seq.num_output_tokens == 1 and seq.num_computed_tokens == 20
+    out, _ = step(sched)  # decode of the sampled token
+    assert [(s.start, s.num_new_tokens) for s in out.seqs] == [(20, 1)]
+
+
+def test_running_first_then_waiting_within_budget_and_seat_limit() -> None:
+    sched = make_scheduler(budget=10, max_seqs=2)
+    a = add(sched, list(range(5)), max_tokens=10)
+    step(sched)
+    b = add(sched, list(range(100, 120)), max_tokens=10)
+    c = add(sched, list(range(200, 203)), max_tokens=10)
+    out, _ = step(sched)
+    # a decodes (1 token), b takes the other 9 of the budget, c finds no seat.
+    assert [(s.seq, s.num_new_tokens) for s in out.seqs] == [(a, 1), (b, 9)]
+    assert out.num_decodes == 1 and out.num_batched_tokens == 10
+    assert sched.waiting == [c]
+
+
+def test_decodes_come_first_in_the_batch() -> None:
+    sched = make_scheduler(budget=64)
+    add(sched, list(range(30)), max_tokens=5)
+    step(sched)
+    add(sched, list(range(50, 70)), max_tokens=5)
+    add(sched, list(range(80, 81)), max_tokens=5)  # a one-token prompt is decode-shaped
+    out, _ = step(sched)
+    assert [s.num_new_tokens for s in out.seqs] == [1, 1, 20]
+    assert out.num_decodes == 2
+
+
+def test_shared_prefix_in_one_step_is_computed_once() -> None:
+    sched = make_scheduler(budget=1000)
+    prefix = list(range(48))  # three full blocks
+    seqs = [add(sched, prefix + [1000 + i] * 5) for i in range(4)]
+    out, _ = step(sched)
+    assert [s.num_new_tokens for s in out.seqs] == [53, 5, 5, 5]
+    assert [s.metrics.num_cached_tokens for s in seqs] == [0, 48, 48, 48]
+    assert sched.counters.num_prompt_tokens_computed == 53 + 3 * 5
+
+
+def test_waiting_requests_wait_for_a_prefix_being_chunked() -> None:
+    sched = make_scheduler(budget=20)
+    prefix = list(range(48))
+    first = add(sched, prefix + [1] * 5)
+    second = add(sched, prefix + [2] * 5)
+    for _ in range(2):  # first's chunks 0-20 and 20-40: second waits for blocks 1 and 2
+        out, _ = step(sched)
+        assert [s.seq for s in out.seqs] == [first]
+    out, _ = step(sched)  # first finishes its prompt; second reuses all three blocks
+    assert [s.seq for s in out.seqs] == [first, second]
+    assert second.metrics.num_cached_tokens == 48
+    assert sched.counters.num_prompt_tokens_computed == 53 + 5
+
+
+def test_preemption_takes_the_latest_and_resumes_it_first() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100)
+    a = add(sched, list(range(32)), max_tokens=20)  # 2 full blocks, grows into a third
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    assert sched.running == [a, b] and sched.kv.pool.num_free_blocks == 0
+    out, _ = step(sched)  # a needs a third block: b (latest) is preempted
+    assert [s.seq for s in out.seqs] == [a]
+    assert sched.waiting[0] is b and b.metrics.num_preemptions == 1
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    while sched.has_unfinished():
+        step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 20
+    assert sched.kv.pool.num_free_blocks == 4
+
+
+def test_priority_orders_admission_and_preemption() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100, max_seqs=1)
+    low = add(sched, list(range(5)), priority=5)
+    high = add(sched, list(range(10, 15)), priority=0)
+    out, _ = step(sched)
+    assert [s.seq for s in out.seqs] == [high]
+    assert sched.waiting == [low]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 70),  # prompt length
+            st.integers(1, 12),  # max tokens
+            st.integers(0, 3),  # arrival step
+            st.integers(0, 2),  # priority
+            st.sampled_from([1, 1, 1, 2, 3]),  # n
+            st.integers(0, 2),  # which shared prefix (0 = none)
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    num_blocks=st.integers(6, 40),
+    budget=st.integers(1, 96),
+    max_seqs=st.integers(1, 8),
+    caching=st.booleans(),
+)
+def test_random_streams_finish_without_leaks(
+    requests: list[tuple[int, int, int, int, int, int]],
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    caching: bool,
+) -> None:
+    max_seqs = max(max_seqs, 3)  # a request with n = 3 needs three seats
+    sched = make_scheduler(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
+                           caching=caching)
+    prefixes = {0: [], 1: list(range(500, 532)), 2: list(range(600, 617))}
+    max_len = (num_blocks - 3) * BS  # fits alone, with room for copy-on-write
+    pending = sorted(enumerate(requests), key=lambda r: r[1][2])
+    families: list[Sequence] = []
+    for step_no in range(2000):
+        while pending and pending[0][1][2] <= step_no:
+            i, (plen, max_tokens, _, prio, n, pfx) = pending.pop(0)
+            prompt = (prefixes[pfx] + [1000 + i] * plen)[: max_len - max_tokens]
+            families.append(add(sched, prompt, max_tokens=max_tokens, priority=prio, n=n))
+        if not pending and not sched.has_unfinished():
+            break
+        step(sched)
+        _check_invariants(sched)
+    else:
+        raise AssertionError("scheduler did not finish the requests")
+
+    assert all(r == 0 for r in sched.kv.pool.ref_counts)
+    assert sched.kv.pool.num_free_blocks == num_blocks
+    for seq in families:
+        assert seq.num_output_tokens == seq.params.max_tokens
+
+
+def _check_invariants(sched: Scheduler) -> None:
+    pool = sched.kv.pool
+    held = Counter(b for seq in sched.running for b in seq.block_table)
+    assert all(not seq.block_table for seq in sched.waiting)
+    for block in range(pool.num_blocks):
+        assert pool.ref_counts[block] == held[block] >= 0
+    assert pool.num_free_blocks == pool.num_blocks - len(held)
+    assert len(sched.running) <= sched.config.max_num_seqs
