@@ -269,14 +269,14 @@ def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = Non
     values: dict[str, Any] = {
         "status": outcome.status.value,
         "finished_at": to_dt(outcome.finished_at),
-        "error": outcome.error,
+        "error": _text(outcome.error),
     }
     if worker_id is not None:
         values["worker_id"] = worker_id
     result = outcome.result
     if result is not None:
         values.update(
-            text=result.text,
+            text=_text(result.text),
             token_ids=result.token_ids,
             finish_reason=result.finish_reason,
             logprobs=result.logprobs,
@@ -290,6 +290,11 @@ def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = Non
     stats = outcome.stats or JobStats()
     session.execute(insert(JobMetrics).values(job_id=outcome.job_id, **stats.model_dump()))
     return True
+
+
+def _text(value: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL; a model may emit it. token_ids keep the exact output.
+    return value.replace("\x00", "\ufffd") if value is not None else None
 
 
 def _info(job: Job, metrics: JobMetrics | None) -> JobInfo:

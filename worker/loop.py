@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from jobs.constants import Keys
 from jobs.db import make_engine
@@ -218,7 +218,8 @@ class Worker:
     def free_capacity(self) -> int:
         """How many more jobs to hold: the engine's slots plus a small waiting buffer."""
         s = self.settings
-        free = s.capacity - len(self.held) - len(self._undecided)
+        # Unsaved results still hold their stream entries: a database outage stops the pull.
+        free = s.capacity - len(self.held) - len(self._undecided) - len(self._unsaved)
         if self.engine_stats is not None and self.engine_stats.num_waiting > s.waiting_buffer:
             return 0  # the engine cannot admit what it has (KV pressure)
         return max(free, 0)
@@ -450,11 +451,15 @@ class Worker:
         batch = self._unsaved
         try:
             newly = self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
-        except SQLAlchemyError as exc:
+        except (OperationalError, InterfaceError) as exc:
             self._save_backoff.failed(now)
             log.warning("database unavailable (%s); %d results wait, unacked", _short(exc),
                         len(batch))
             return
+        except SQLAlchemyError as exc:  # maybe one result the database refuses: isolate it
+            newly = self._persist_one_by_one(batch, exc)
+            if newly is None:
+                return
         self._save_backoff.ok()
         self._unsaved = self._unsaved[len(batch):]
         self._unacked += [d.entry_id for _, d in batch if d is not None]
@@ -467,6 +472,31 @@ class Worker:
             self.queue.publish_done(done)
         except redis.RedisError as exc:  # acks are retried next tick; waiters also poll SQL
             log.warning("ack/publish failed (%s)", exc)
+
+    def _persist_one_by_one(self, batch: list[tuple[Outcome, Delivery | None]],
+                            batch_error: SQLAlchemyError) -> set[str] | None:
+        """Store outcomes singly; one the database rejects is stored as a failure carrying
+        the reason. None (retry later) if even that fails: then it is an outage after all."""
+        newly: set[str] = set()
+        try:
+            for outcome, _ in batch:
+                try:
+                    newly |= self.store.finish([outcome], worker_id=self.worker_id)
+                except (OperationalError, InterfaceError):
+                    raise
+                except SQLAlchemyError as exc:
+                    log.error("result of job %s rejected by the database: %s", outcome.job_id,
+                              _short(exc))
+                    failed = Outcome(outcome.job_id, JobStatus.FAILED, outcome.finished_at,
+                                     error=f"could not store the result: {_short(exc)}",
+                                     stats=outcome.stats)
+                    newly |= self.store.finish([failed], worker_id=self.worker_id)
+        except SQLAlchemyError as exc:
+            self._save_backoff.failed(time.time())
+            log.warning("database unavailable (%s / %s); %d results wait, unacked",
+                        _short(batch_error), _short(exc), len(batch))
+            return None
+        return newly
 
     # -- maintenance -------------------------------------------------------------------------
 

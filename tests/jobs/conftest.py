@@ -5,6 +5,7 @@ test creates is removed afterwards."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -76,3 +77,90 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
     db.upgrade(engine)
     yield engine
     engine.dispose()
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+TINY_MODEL_NAME = "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+class RunningWorker:
+    """A worker running its loop in a thread of the test process."""
+
+    def __init__(self, worker) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        self.worker = worker
+        self.rc: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.rc = self.worker.run()
+
+    def stop(self, drain: bool = True, timeout_s: float = 30.0) -> int | None:
+        self.worker.stop(drain=drain)
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "worker did not stop"
+        return self.rc
+
+
+def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides):  # type: ignore[no-untyped-def]
+    from worker.settings import WorkerSettings
+
+    values = {
+        "model": tiny_model, "served_model_name": TINY_MODEL_NAME, "redis_url": REDIS_URL,
+        "database_url": database_url, "key_prefix": keys.prefix, "device": "cpu",
+        "num_kv_blocks": 512, "max_num_seqs": 16, "waiting_buffer": 4, "lease_ttl_s": 1.5,
+        "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0, "reconcile_grace_s": 0.0,
+        "poll_interval_ms": 10,
+    }
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+@pytest.fixture
+def start_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: Engine):  # type: ignore[no-untyped-def]
+    """Start in-thread workers on the tiny model; all are stopped (without drain) at the end."""
+    from worker.loop import Worker
+    from worker.main import build_engine
+
+    started: list[RunningWorker] = []
+
+    def start(engine_wrapper=None, **overrides) -> RunningWorker:  # type: ignore[no-untyped-def]
+        settings = worker_settings(tiny_model, keys, pg_url, **overrides)
+        engine = build_engine(settings)
+        if engine_wrapper is not None:
+            engine = engine_wrapper(engine)
+        running = RunningWorker(Worker(settings, engine, sql_engine=pg_engine))
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        if running.thread.is_alive():
+            running.stop(drain=False)
+
+
+def _wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+@pytest.fixture
+def wait_for():  # type: ignore[no-untyped-def]
+    """``wait_for(predicate, timeout_s)``: poll until ``predicate()`` is truthy; return it."""
+    return _wait_for

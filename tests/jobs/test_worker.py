@@ -1,0 +1,208 @@
+"""End-to-end: jobs flow from Redis through a worker running the tiny model into SQL."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import redis
+import sqlalchemy as sa
+from prometheus_client import generate_latest
+
+from jobs.client import JobClient
+from jobs.constants import FIELD_ID, FIELD_JOB, Keys
+from jobs.queue import JobQueue
+from jobs.schemas import JobSpec, JobStatus
+
+MODEL = "tiny"
+
+
+def _job(i: int, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
+    sampling = {"temperature": 0.0, "max_tokens": 8, **kw.pop("sampling", {})}
+    if i % 2:
+        return JobSpec(model=MODEL, messages=[{"role": "user", "content": f"q{i}"}],
+                       sampling=sampling, **kw)
+    return JobSpec(model=MODEL, prompt=f"shared system prompt, then job {i}",
+                   sampling=sampling, **kw)
+
+
+def _long(i: int, max_tokens: int = 1500, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
+    return _job(i, sampling={"max_tokens": max_tokens, "ignore_eos": True}, **kw)
+
+
+def _statuses(client: JobClient, ids: list[str]) -> dict[str, JobStatus]:
+    return {i.id: i.status for i in client.get_many(ids)}
+
+
+def test_200_jobs_end_to_end(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
+                             start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_job(i, batch_id="b1", custom_id=f"row-{i}") for i in range(200)])
+    running = start_worker()
+    infos = client.wait(ids, timeout_s=120)
+    assert [i.status for i in infos] == [JobStatus.SUCCEEDED] * 200
+    for info in infos:
+        assert info.attempts == 1 and info.worker_id == running.worker.worker_id
+        assert info.result.usage.completion_tokens == len(info.result.token_ids) > 0
+        assert info.stats.ttft_s >= info.stats.queue_wait_s >= 0
+        assert info.stats.e2e_s >= info.stats.ttft_s and info.stats.peak_kv_blocks >= 1
+    with pg_engine.connect() as conn:
+        rows = conn.execute(sa.text(
+            "SELECT job_id, status, prompt_tokens, generated_tokens FROM job_stats "
+            "WHERE batch_id = 'b1'")).all()
+        n_metrics = conn.execute(sa.text("SELECT count(*) FROM job_metrics")).scalar()
+    assert sorted(r.job_id for r in rows) == sorted(ids) and n_metrics == 200
+    assert all(r.status == "succeeded" and r.generated_tokens > 0 for r in rows)
+    # Everything acked and deleted from the stream; Prometheus saw every job.
+    wait_for(lambda: JobQueue(redis_client, MODEL, keys).depth() == (0, 0), 5)
+    text = generate_latest(running.worker.metrics.registry).decode()
+    assert 'kvbatch:jobs_total{model_name="tiny",status="succeeded"} 200.0' in text
+    for name in ("kvbatch:time_to_first_token_seconds_count", "kvbatch:kv_cache_usage_perc",
+                 "kvbatch:prefix_cache_hits_total", "kvbatch:generation_tokens_total",
+                 "kvbatch:inter_token_latency_seconds_count", "kvbatch:queue_depth"):
+        assert name in text
+    assert running.stop() == 0
+
+
+def test_pull_never_exceeds_free_capacity(redis_client: redis.Redis, keys: Keys,
+                                          pg_engine: sa.Engine, start_worker,
+                                          wait_for) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_long(i, max_tokens=200) for i in range(30)])
+    running = start_worker(max_num_seqs=4, waiting_buffer=2)
+    q = JobQueue(redis_client, MODEL, keys)
+    peak = 0
+    while client.store.count_by_status(model=MODEL).get(JobStatus.SUCCEEDED, 0) < 30:
+        _, pending = q.depth()
+        peak = max(peak, pending)
+        assert len(running.worker.held) <= 6 and pending <= 6
+        time.sleep(0.01)
+    assert peak >= 4  # the engine was kept full
+    assert all(i.status is JobStatus.SUCCEEDED for i in client.get_many(ids))
+
+
+def test_bad_jobs_fail_alone_with_readable_errors(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    good = [_job(i) for i in range(4)]
+    too_long = _job(10, sampling={"max_tokens": 4})
+    too_long = too_long.model_copy(update={"prompt": "x" * 400, "messages": None})
+    bad_sampling = _job(12, sampling={"temperature": -1.0})
+    other_model = JobSpec(model="no-such-model", prompt="hi")
+    ids = client.submit([*good, too_long, bad_sampling])
+    # Messages the SDK would never produce: not JSON, wrong schema, wrong model for the stream.
+    not_json, wrong_schema = _job(20), _job(21)
+    client.store.insert_jobs([not_json, wrong_schema, other_model])
+    q = JobQueue(redis_client, MODEL, keys)
+    redis_client.xadd(q.stream, {FIELD_ID: not_json.id, FIELD_JOB: "{not json"})
+    redis_client.xadd(q.stream, {FIELD_ID: wrong_schema.id,
+                                 FIELD_JOB: json.dumps({"id": wrong_schema.id, "model": MODEL})})
+    redis_client.xadd(q.stream, {FIELD_ID: other_model.id,
+                                 FIELD_JOB: other_model.model_dump_json()})
+    redis_client.xadd(q.stream, {"junk": "no id at all"})
+    start_worker(max_model_len=256)
+
+    infos = {i.id: i for i in client.wait([*ids, not_json.id, wrong_schema.id, other_model.id],
+                                          timeout_s=60)}
+    assert all(infos[s.id].status is JobStatus.SUCCEEDED for s in good)
+    expected = {
+        too_long.id: "max_model_len",
+        bad_sampling.id: "temperature",
+        not_json.id: "malformed job message",
+        wrong_schema.id: "exactly one of 'prompt' and 'messages'",
+        other_model.id: "unknown model 'no-such-model'",
+    }
+    for job_id, fragment in expected.items():
+        assert infos[job_id].status is JobStatus.FAILED, job_id
+        assert fragment in infos[job_id].error, infos[job_id].error
+        assert infos[job_id].stats is not None  # every terminal job has its stats row
+    ((_, dead),) = redis_client.xrange(keys.dead_letter(MODEL))
+    assert "malformed job message" in dead["reason"]
+
+
+def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Keys,
+                                            pg_engine: sa.Engine, start_worker,
+                                            wait_for) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    long_id, queued_id = client.submit([_long(0, max_tokens=1900), _long(1)])
+    assert client.cancel(queued_id) is JobStatus.CANCELLED  # no worker yet: cancelled at once
+    running = start_worker()
+    w = running.worker
+    wait_for(lambda: w.engine_stats is not None and long_id in w.held
+             and w.engine_stats.num_kv_blocks_free < w.engine_stats.num_kv_blocks_total)
+    assert client.cancel(long_id) is JobStatus.RUNNING
+    (info,) = client.wait([long_id], timeout_s=10)
+    assert info.status is JobStatus.CANCELLED and info.result.finish_reason == "abort"
+    assert 0 < len(info.result.token_ids) < 1900
+    wait_for(lambda: w.engine_stats.num_kv_blocks_free == w.engine_stats.num_kv_blocks_total
+             and w.engine_stats.num_running == 0, 5)
+    assert client.get(queued_id).attempts == 0  # never delivered to the engine
+
+
+def test_deadlines_expire_jobs(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
+                               start_worker) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    now = datetime.now(UTC)
+    late = _job(0, deadline=now - timedelta(seconds=1))
+    slow = _long(1, max_tokens=1900, deadline=now + timedelta(seconds=1))
+    fine = _job(2, deadline=now + timedelta(minutes=5))
+    client.submit([late, slow, fine])
+    start_worker()
+    infos = {i.id: i for i in client.wait([late.id, slow.id, fine.id], timeout_s=30)}
+    assert infos[late.id].status is JobStatus.EXPIRED and infos[late.id].result is None
+    assert infos[slow.id].status is JobStatus.EXPIRED
+    assert 0 < len(infos[slow.id].result.token_ids) < 1900  # stopped mid-generation
+    assert infos[fine.id].status is JobStatus.SUCCEEDED
+
+
+def test_graceful_shutdown_hands_back_unfinished_jobs(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker, wait_for,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    quick = client.submit([_job(i) for i in range(3)])
+    slow = client.submit([_long(10 + i, max_tokens=1900) for i in range(3)])
+    first = start_worker(drain_timeout_s=0.5)
+    wait_for(lambda: set(_statuses(client, quick).values()) == {JobStatus.SUCCEEDED})
+    wait_for(lambda: set(_statuses(client, slow).values()) == {JobStatus.RUNNING})
+    assert first.stop() == 0
+    for info in client.get_many(slow):  # handed back: queued again, the attempt not counted
+        assert (info.status, info.attempts, info.worker_id) == (JobStatus.QUEUED, 0, None)
+    second = start_worker()
+    infos = client.wait(slow, timeout_s=60)
+    assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 1 for i in infos)
+    assert {i.worker_id for i in infos} == {second.worker.worker_id}
+
+
+def test_redis_data_loss_is_reconciled(redis_client: redis.Redis, keys: Keys,
+                                       pg_engine: sa.Engine,
+                                       start_worker) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_job(i) for i in range(10)])
+    redis_client.delete(keys.stream(MODEL))  # Redis restarted without its data
+    start_worker(reconcile_interval_s=0.3)
+    infos = client.wait(ids, timeout_s=30)
+    assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 1 for i in infos)
+
+
+def test_database_outage_delays_results_without_losing_them(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker, wait_for,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_long(i, max_tokens=300) for i in range(4)])
+    start_worker()
+    wait_for(lambda: set(_statuses(client, ids).values()) == {JobStatus.RUNNING})
+    with pg_engine.begin() as conn:  # results cannot be stored while job_metrics is gone
+        conn.execute(sa.text("ALTER TABLE job_metrics RENAME TO job_metrics_offline"))
+    q = JobQueue(redis_client, MODEL, keys)
+    time.sleep(2.0)
+    with pg_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT DISTINCT status FROM jobs")).scalars().all() == [
+            "running"]
+    assert q.depth() == (0, 4)  # generated, not stored, so not acknowledged
+    with pg_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE job_metrics_offline RENAME TO job_metrics"))
+    infos = client.wait(ids, timeout_s=30)
+    assert all(i.status is JobStatus.SUCCEEDED and i.stats is not None for i in infos)
+    wait_for(lambda: q.depth() == (0, 0), 5)
