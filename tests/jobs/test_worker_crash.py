@@ -1,0 +1,104 @@
+"""Workers that die: SIGKILL mid-generation, and a poison job that crashes the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+import sqlalchemy as sa
+
+from jobs.client import JobClient
+from jobs.constants import Keys
+from jobs.queue import JobQueue
+from jobs.schemas import JobSpec, JobStatus
+
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _long(i: int, max_tokens: int) -> JobSpec:
+    return JobSpec(model=MODEL, prompt=f"job {i}",
+                   sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def test_sigkilled_worker_jobs_finish_on_another(
+    redis_client: redis.Redis, keys: Keys, pg_url: str, pg_engine: sa.Engine, tiny_model: str,
+    start_worker, wait_for, tmp_path: Path,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_long(i, max_tokens=1900) for i in range(6)])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_LEASE_TTL_S": "1.5"}
+    cmd = [sys.executable, "-m", "worker", "--model", tiny_model, "--served-model-name", MODEL,
+           "--redis-url", "redis://127.0.0.1:6379/0", "--database-url", pg_url,
+           "--key-prefix", keys.prefix, "--worker-id", "doomed", "--device", "cpu",
+           "--num-kv-blocks", "512"]
+    log = (tmp_path / "worker.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
+        time.sleep(0.3)  # mid-generation
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert {i.worker_id for i in client.get_many(ids)} == {"doomed"}
+    killed_at = time.monotonic()
+    survivor = start_worker()
+    infos = client.wait(ids, timeout_s=90)
+    assert all(i.status is JobStatus.SUCCEEDED for i in infos), [i.error for i in infos]
+    assert all(len(i.result.token_ids) == 1900 and i.attempts == 2 for i in infos)
+    assert {i.worker_id for i in infos} == {survivor.worker.worker_id}
+    assert time.monotonic() - killed_at < 60
+    with pg_engine.connect() as conn:
+        per_job = conn.execute(sa.text(
+            "SELECT job_id, count(*) FROM job_stats GROUP BY job_id")).all()
+    assert sorted(j for j, _ in per_job) == sorted(ids) and {n for _, n in per_job} == {1}
+    wait_for(lambda: JobQueue(redis_client, MODEL, keys).depth() == (0, 0), 5)
+
+
+class PoisonEngine:
+    """Wraps the engine; ``step()`` raises while a request whose prompt contains "poison" is
+    in it, like a kernel bug triggered by one input."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self.engine = engine
+        self.poisoned: set[str] = set()
+
+    def add_request(self, request_id, prompt, params, **kw) -> None:  # type: ignore[no-untyped-def]
+        self.engine.add_request(request_id, prompt, params, **kw)
+        if "poison" in str(prompt):
+            self.poisoned.add(request_id)
+
+    def step(self):  # type: ignore[no-untyped-def]
+        if self.poisoned:
+            raise RuntimeError("kernel fault")
+        return self.engine.step()
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self.engine, name)
+
+
+def test_poison_job_ends_in_dead_letter_stream(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker, wait_for,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    (poison,) = client.submit([JobSpec(model=MODEL, prompt="poison pill")])
+    for attempt in (1, 2):  # each delivery crashes its worker, which exits with status 1
+        crashed = start_worker(engine_wrapper=PoisonEngine, max_deliveries=2)
+        crashed.thread.join(30)
+        assert crashed.rc == 1 and client.get(poison).attempts == attempt
+    healthy = start_worker(engine_wrapper=PoisonEngine, max_deliveries=2)
+    (info,) = client.wait([poison], timeout_s=30)
+    assert info.status is JobStatus.FAILED and "dead-lettered" in info.error
+    ((_, dead),) = redis_client.xrange(keys.dead_letter(MODEL))
+    assert dead["id"] == poison and "delivered more than 2 times" in dead["reason"]
+    # The worker that dead-lettered it keeps serving.
+    (ok,) = client.wait(client.submit([JobSpec(model=MODEL, prompt="fine")]), timeout_s=30)
+    assert ok.status is JobStatus.SUCCEEDED
+    assert healthy.stop() == 0
