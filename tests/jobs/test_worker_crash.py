@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import redis
@@ -21,6 +23,19 @@ MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _worker_cmd(entry: list[str], tiny_model: str, keys: Keys, pg_url: str,
+                *extra: str) -> list[str]:
+    return [sys.executable, "-m", *entry, "--model", tiny_model, "--served-model-name", MODEL,
+            "--redis-url", "redis://127.0.0.1:6379/0", "--database-url", pg_url,
+            "--key-prefix", keys.prefix, "--device", "cpu", "--num-kv-blocks", "512", *extra]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _long(i: int, max_tokens: int) -> JobSpec:
     return JobSpec(model=MODEL, prompt=f"job {i}",
                    sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
@@ -33,15 +48,16 @@ def test_sigkilled_worker_jobs_finish_on_another(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([_long(i, max_tokens=1900) for i in range(6)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_LEASE_TTL_S": "1.5"}
-    cmd = [sys.executable, "-m", "worker", "--model", tiny_model, "--served-model-name", MODEL,
-           "--redis-url", "redis://127.0.0.1:6379/0", "--database-url", pg_url,
-           "--key-prefix", keys.prefix, "--worker-id", "doomed", "--device", "cpu",
-           "--num-kv-blocks", "512"]
+    port = _free_port()
+    cmd = _worker_cmd(["worker"], tiny_model, keys, pg_url, "--worker-id", "doomed",
+                      "--metrics-port", str(port))
     log = (tmp_path / "worker.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
         time.sleep(0.3)  # mid-generation
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        assert 'kvbatch:num_requests_running{model_name="tiny"} 6.0' in metrics
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -60,6 +76,29 @@ def test_sigkilled_worker_jobs_finish_on_another(
             "SELECT job_id, count(*) FROM job_stats GROUP BY job_id")).all()
     assert sorted(j for j, _ in per_job) == sorted(ids) and {n for _, n in per_job} == {1}
     wait_for(lambda: JobQueue(redis_client, MODEL, keys).depth() == (0, 0), 5)
+
+
+def test_sigterm_drains_then_hands_back(
+    redis_client: redis.Redis, keys: Keys, pg_url: str, pg_engine: sa.Engine, tiny_model: str,
+    wait_for, tmp_path: Path,
+) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_long(i, max_tokens=1900) for i in range(3)])
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_DRAIN_TIMEOUT_S": "0.5"}
+    cmd = _worker_cmd(["jobs.cli", "worker"], tiny_model, keys, pg_url)  # `kvbatch worker`
+    log = (tmp_path / "worker.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for info in client.get_many(ids):
+        assert (info.status, info.attempts, info.worker_id) == (JobStatus.QUEUED, 0, None)
+    q = JobQueue(redis_client, MODEL, keys)
+    assert q.depth() == (0, 3) and q.live_workers() == set()  # pending, lease given up
 
 
 class PoisonEngine:
