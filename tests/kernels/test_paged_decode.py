@@ -28,7 +28,10 @@ def run_decode(batch, num_splits):
 
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "heads", "num_splits"),
-    list(itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS, [1, 3])),
+    [
+        pytest.param(d, bs, h, n, id=f"d{d}-bs{bs}-h{h[0]}kv{h[1]}-splits{n}")
+        for d, bs, h, n in itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS, [1, 3])
+    ],
 )
 def test_fp32_matches_reference(
     paged_batch, assert_matches, head_dim, block_size, heads, num_splits

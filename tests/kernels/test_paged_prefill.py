@@ -36,7 +36,11 @@ def run_prefill(batch):
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "block_size", "heads"), list(itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS))
+    ("head_dim", "block_size", "heads"),
+    [
+        pytest.param(d, bs, h, id=f"d{d}-bs{bs}-h{h[0]}kv{h[1]}")
+        for d, bs, h in itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS)
+    ],
 )
 def test_fp32_matches_reference(paged_batch, assert_matches, head_dim, block_size, heads):
     num_heads, num_kv_heads = heads
@@ -59,9 +63,9 @@ def test_half_precision_matches_reference(paged_batch, assert_matches, dtype):
 @pytest.mark.parametrize(
     "seqs",
     [
-        [(64, 64)],  # exactly one query block (group 1)
-        [(5, 0), (20, 3), (9, 0)],  # sequences without new tokens own no output rows
-        [(3, 1)] * 9,  # many one-token sequences: the block numbering's spare blocks
+        pytest.param([(64, 64)], id="one-full-query-block"),
+        pytest.param([(5, 0), (20, 3), (9, 0)], id="sequences-without-new-tokens"),
+        pytest.param([(3, 1)] * 9, id="many-one-token-sequences"),
     ],
 )
 def test_query_block_numbering(paged_batch, assert_matches, seqs):
