@@ -30,11 +30,12 @@ from jobs.constants import Keys
 from jobs.db import make_engine
 from jobs.queue import Delivery, JobQueue
 from jobs.reconcile import reconcile
-from jobs.schemas import JOB_ID_PATTERN, Choice, JobResult, JobSpec, JobStats, JobStatus, Usage
+from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus
 from jobs.schemas import decode_job as _decode
 from jobs.store import Decision, JobStore, Outcome
 from worker.engine_thread import Abort, Add, Crashed, EngineThread, Rejected, Stepped
 from worker.metrics import WorkerMetrics
+from worker.outcome import engine_outcome
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -389,57 +390,14 @@ class Worker:
                 self._unsaved.append((self._outcome(h, out), h.delivery))
 
     def _outcome(self, h: Held, out: Any) -> Outcome:
-        reason = out.finish_reason
-        error = None
-        if out.error is not None or reason == "error":
-            status, error = JobStatus.FAILED, out.error or "engine error"
-        elif reason == "abort":
-            status = h.abort_as or JobStatus.CANCELLED
-            error = "deadline passed" if status is JobStatus.EXPIRED else "cancelled"
-        else:
-            status = JobStatus.SUCCEEDED
-        m = out.metrics
-        lead = h.admitted_at - h.spec.submitted_at  # submission → engine, in wall time
-
-        def since_submission(t: float | None) -> float | None:
-            return None if t is None else lead + (t - m.arrival_time)
-
-        n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-        tpot = None
-        if m.first_token_time is not None and m.finish_time is not None and n_tokens > 1:
-            tpot = (m.finish_time - m.first_token_time) / (n_tokens - 1)
-        stats = JobStats(
-            queue_wait_s=since_submission(m.first_scheduled_time),
-            ttft_s=since_submission(m.first_token_time),
-            tpot_s=tpot,
-            e2e_s=since_submission(m.finish_time),
-            prompt_tokens=m.num_prompt_tokens,
-            cached_prompt_tokens=m.num_cached_tokens,
-            generated_tokens=m.num_generated_tokens,
-            peak_kv_blocks=m.peak_kv_blocks,
-            peak_kv_bytes=m.peak_kv_bytes,
-            preemptions=m.num_preemptions,
-        )
+        outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as)
+        stats = outcome.stats
+        assert stats is not None
         for value, hist in ((stats.queue_wait_s, self.metrics.queue_time),
                             (stats.ttft_s, self.metrics.ttft), (stats.e2e_s, self.metrics.e2e)):
             if value is not None:
                 hist.observe(value)
-        choices = [
-            Choice(index=c.index, text=c.text, token_ids=list(c.token_ids),
-                   finish_reason=c.finish_reason, logprobs=_jsonable(c.logprobs))
-            for c in out.outputs
-        ]
-        first = choices[0] if choices else Choice(index=0, text="", token_ids=[],
-                                                  finish_reason=reason)
-        result = JobResult(
-            text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-            logprobs=first.logprobs,
-            usage=Usage(prompt_tokens=m.num_prompt_tokens,
-                        cached_prompt_tokens=m.num_cached_tokens,
-                        completion_tokens=m.num_generated_tokens),
-            choices=choices if len(choices) > 1 else [],
-        )
-        return Outcome(h.spec.id, status, time.time(), error=error, result=result, stats=stats)
+        return outcome
 
     # -- persistence -------------------------------------------------------------------------
 
@@ -549,9 +507,3 @@ def _short(exc: BaseException, limit: int = 500) -> str:
     line = " ".join(text[:3]) if text else type(exc).__name__
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
-
-def _jsonable(logprobs: Any) -> Any:
-    """Engine logprobs (a list of {token_id: logprob} per step) as JSON: string keys."""
-    if logprobs is None:
-        return None
-    return [{str(k): float(v) for k, v in step.items()} for step in logprobs]

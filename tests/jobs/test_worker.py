@@ -206,3 +206,20 @@ def test_database_outage_delays_results_without_losing_them(
     infos = client.wait(ids, timeout_s=30)
     assert all(i.status is JobStatus.SUCCEEDED and i.stats is not None for i in infos)
     wait_for(lambda: q.depth() == (0, 0), 5)
+
+
+def test_parallel_samples_and_logprobs_are_stored(redis_client: redis.Redis, keys: Keys,
+                                                  pg_engine: sa.Engine,
+                                                  start_worker) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    spec = _job(0, sampling={"n": 2, "temperature": 0.8, "seed": 1, "logprobs": 2,
+                             "max_tokens": 5})
+    (job_id,) = client.submit([spec])
+    start_worker()
+    (info,) = client.wait([job_id], timeout_s=30)
+    assert info.status is JobStatus.SUCCEEDED
+    assert [c.index for c in info.result.choices] == [0, 1]
+    assert info.result.token_ids == info.result.choices[0].token_ids
+    assert len(info.result.logprobs) == len(info.result.token_ids)
+    assert info.result.usage.completion_tokens == sum(len(c.token_ids)
+                                                      for c in info.result.choices)

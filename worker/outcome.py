@@ -1,0 +1,79 @@
+"""Turn an engine's finished ``RequestOutput`` into the job's stored outcome.
+
+The engine measures with ``time.monotonic()`` from its own arrival time; jobs are measured from
+submission (wall clock, maybe on another machine). Only durations cross over: the wall-clock
+wait before the engine (``admitted_at - submitted_at``) plus monotonic durations inside it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from jobs.schemas import Choice, JobResult, JobSpec, JobStats, JobStatus, Usage
+from jobs.store import Outcome
+
+
+def engine_outcome(out: Any, spec: JobSpec, admitted_at: float,
+                   abort_as: JobStatus | None) -> Outcome:
+    """The terminal outcome of ``spec`` from its finished engine output ``out``.
+
+    Args:
+        out: the finished ``engine.RequestOutput``.
+        spec: the job.
+        admitted_at: ``time.time()`` when the worker handed the job to the engine.
+        abort_as: why the worker aborted it (CANCELLED or EXPIRED), if it did.
+    """
+    reason = out.finish_reason
+    error = None
+    if out.error is not None or reason == "error":
+        status, error = JobStatus.FAILED, out.error or "engine error"
+    elif reason == "abort":
+        status = abort_as or JobStatus.CANCELLED
+        error = "deadline passed" if status is JobStatus.EXPIRED else "cancelled"
+    else:
+        status = JobStatus.SUCCEEDED
+    m = out.metrics
+    lead_s = admitted_at - spec.submitted_at
+
+    def since_submission(t: float | None) -> float | None:
+        return None if t is None else lead_s + (t - m.arrival_time)
+
+    n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+    tpot_s = None
+    if m.first_token_time is not None and m.finish_time is not None and n_tokens > 1:
+        tpot_s = (m.finish_time - m.first_token_time) / (n_tokens - 1)
+    stats = JobStats(
+        queue_wait_s=since_submission(m.first_scheduled_time),
+        ttft_s=since_submission(m.first_token_time),
+        tpot_s=tpot_s,
+        e2e_s=since_submission(m.finish_time),
+        prompt_tokens=m.num_prompt_tokens,
+        cached_prompt_tokens=m.num_cached_tokens,
+        generated_tokens=m.num_generated_tokens,
+        peak_kv_blocks=m.peak_kv_blocks,
+        peak_kv_bytes=m.peak_kv_bytes,
+        preemptions=m.num_preemptions,
+    )
+    choices = [
+        Choice(index=c.index, text=c.text, token_ids=list(c.token_ids),
+               finish_reason=c.finish_reason, logprobs=_jsonable(c.logprobs))
+        for c in out.outputs
+    ]
+    first = choices[0] if choices else Choice(index=0, text="", token_ids=[],
+                                              finish_reason=reason)
+    result = JobResult(
+        text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+        logprobs=first.logprobs,
+        usage=Usage(prompt_tokens=m.num_prompt_tokens, cached_prompt_tokens=m.num_cached_tokens,
+                    completion_tokens=m.num_generated_tokens),
+        choices=choices if len(choices) > 1 else [],
+    )
+    return Outcome(spec.id, status, time.time(), error=error, result=result, stats=stats)
+
+
+def _jsonable(logprobs: Any) -> Any:
+    """Engine logprobs (a list of {token_id: logprob} per step) as JSON: string keys."""
+    if logprobs is None:
+        return None
+    return [{str(k): float(v) for k, v in step.items()} for step in logprobs]
