@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634
+MIN_DOT_DIM = 16  # tl.dot needs every dimension of its operands >= 16 on GPUs
 
 
 @triton.jit

@@ -13,10 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import LOG2_E, attend_paged_tiles, dot_config
+from kernels.online_softmax import LOG2_E, MIN_DOT_DIM, attend_paged_tiles, dot_config
 
 TILE_N = 64  # key tokens per inner-loop step (several KV blocks when block_size < 64)
-MIN_ROWS = 16  # tl.dot needs at least 16 rows; heads beyond GROUP are masked padding
 MIN_PARTITION_TOKENS = 256  # shorter partitions cost more in merging than they gain
 PROGRAMS_PER_SM = 8  # enough resident programs per SM to keep HBM busy
 
@@ -232,7 +231,7 @@ def _launch_paged_decode(
     else:  # unused by the kernel; any fp32 tensors will do
         partial_acc = partial_m = partial_l = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
     dot_dtype, dot_precision = dot_config(query.dtype)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out,
@@ -266,7 +265,7 @@ def _launch_paged_decode(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         SPLIT=split,
-        BLOCK_M=max(MIN_ROWS, triton.next_power_of_2(group)),
+        BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(group)),  # rows past GROUP: padding
         BLOCK_D=block_d,
         TILE_N=TILE_N,
         DOT_DTYPE=dot_dtype,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import LOG2_E, attend_paged_tiles, dot_config
+from kernels.online_softmax import LOG2_E, MIN_DOT_DIM, attend_paged_tiles, dot_config
 
 TILE_N = 64  # key tokens per inner-loop step
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
@@ -202,7 +202,7 @@ def _launch_paged_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         TILE_N=TILE_N,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,

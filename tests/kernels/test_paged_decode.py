@@ -64,7 +64,7 @@ def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, nu
 def test_more_splits_than_a_short_sequence_needs(paged_batch, assert_matches):
     # Splits past a sequence's end write nothing; the merge must ignore their slots.
     batch = paged_batch(
-        [(1, 1), (70, 1), (200, 1)], num_heads=2, num_kv_heads=1, head_dim=16, block_size=16
+        [(1, 1), (70, 1), (200, 1)], num_heads=2, num_kv_heads=1, head_dim=10, block_size=16
     )
     assert_matches(*run_decode(batch, num_splits=8))
 
