@@ -128,18 +128,20 @@ def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides)
 
 @pytest.fixture
 def start_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: Engine):  # type: ignore[no-untyped-def]
-    """Start in-thread workers on the tiny model; all are stopped (without drain) at the end."""
+    """Start in-thread workers on the tiny model (on the test's PostgreSQL schema unless given
+    ``database_url``); all are stopped (without drain) at the end."""
     from worker.loop import Worker
     from worker.main import build_engine
 
     started: list[RunningWorker] = []
 
-    def start(engine_wrapper=None, **overrides) -> RunningWorker:  # type: ignore[no-untyped-def]
-        settings = worker_settings(tiny_model, keys, pg_url, **overrides)
+    def start(engine_wrapper=None, database_url=None, **overrides) -> RunningWorker:  # type: ignore[no-untyped-def]
+        settings = worker_settings(tiny_model, keys, database_url or pg_url, **overrides)
         engine = build_engine(settings)
         if engine_wrapper is not None:
             engine = engine_wrapper(engine)
-        running = RunningWorker(Worker(settings, engine, sql_engine=pg_engine))
+        sql = None if database_url else pg_engine  # else the worker connects by itself
+        running = RunningWorker(Worker(settings, engine, sql_engine=sql))
         started.append(running)
         return running
 

@@ -223,3 +223,18 @@ def test_parallel_samples_and_logprobs_are_stored(redis_client: redis.Redis, key
     assert len(info.result.logprobs) == len(info.result.token_ids)
     assert info.result.usage.completion_tokens == sum(len(c.token_ids)
                                                       for c in info.result.choices)
+
+
+def test_embedded_sqlite_database(redis_client: redis.Redis, keys: Keys, sqlite_url: str,
+                                  start_worker) -> None:  # type: ignore[no-untyped-def]
+    from jobs import db
+
+    db.upgrade(sqlite_url)
+    client = JobClient(redis_client, sqlite_url, key_prefix=keys.prefix)
+    ids = client.submit([_job(i) for i in range(20)])
+    running = start_worker(database_url=sqlite_url)
+    infos = client.wait(ids, timeout_s=60)
+    assert all(i.status is JobStatus.SUCCEEDED and i.stats.ttft_s is not None for i in infos)
+    assert running.stop() == 0
+    with db.make_engine(sqlite_url).connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM job_stats")).scalar() == 20
