@@ -9,6 +9,8 @@ partials. With one split the first kernel writes the output directly (``SPLIT=Fa
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -173,14 +175,15 @@ def _paged_decode_merge_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
-def default_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
-) -> int:
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one "SM", splitting only adds work
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Splits per sequence so that a few long sequences still fill every SM."""
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        num_sms = 1  # the interpreter: one "SM", splitting only adds work
     wanted = triton.cdiv(num_sms * PROGRAMS_PER_SM, max(num_seqs * num_kv_heads, 1))
     return max(1, min(wanted, triton.cdiv(max_context, MIN_PARTITION_TOKENS)))
 
@@ -216,7 +219,8 @@ def _launch_paged_decode(
     # The largest context the block tables can describe: a bound known without a device sync.
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, query.device)
+        num_sms = _num_sms(query.device)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
     partition_size = triton.cdiv(triton.cdiv(max_context, num_splits), TILE_N) * TILE_N
     num_splits = triton.cdiv(max_context, partition_size)
     split = num_splits > 1

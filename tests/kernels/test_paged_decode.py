@@ -78,10 +78,5 @@ def test_more_splits_than_a_short_sequence_needs(paged_batch, assert_matches):
         (1, 8, 100, 132, 1),  # a short context is never split
     ],
 )
-def test_default_num_splits(monkeypatch, num_seqs, num_kv_heads, max_context, num_sms, expected):
-    class Props:
-        multi_processor_count = num_sms
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
-    device = torch.device("cuda")
-    assert default_num_splits(num_seqs, num_kv_heads, max_context, device) == expected
+def test_default_num_splits(num_seqs, num_kv_heads, max_context, num_sms, expected):
+    assert default_num_splits(num_seqs, num_kv_heads, max_context, num_sms) == expected
