@@ -26,3 +26,6 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py

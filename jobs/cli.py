@@ -13,6 +13,20 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
 
 
+def _bench(bench_args: list[str]) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "throughput.py"
+    if not script.is_file():
+        print("kvbatch bench runs bench/throughput.py from a source checkout", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *bench_args]
+    sys.path.insert(0, str(script.parents[1]))
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     import logging
 
@@ -45,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=_demo)
 
+    # Arguments after `bench` go to bench/throughput.py untouched (see main).
+    sub.add_parser("bench", help="engine vs transformers throughput (bench/throughput.py)")
+
     from worker.settings import add_settings_arguments
 
     worker = sub.add_parser("worker", help="run a worker: Redis stream → engine → SQL")
@@ -65,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
