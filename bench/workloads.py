@@ -9,8 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 WORKLOADS = ("shared-prefix", "mixed", "long-tail")
 
-_WORDS = tuple(
-    (
+_WORD_TEXT = (
     "the of and to in is that for it as with was on be by at this from or have an are but not "
     "you all any can had her one our out day get has him his how man new now old see two way "
     "who boy did its let put say she too use data model batch token cache block queue worker "
@@ -19,8 +18,8 @@ _WORDS = tuple(
     "problem service research student teacher company program reason moment health "
     "between through during without against because however although therefore quickly "
     "carefully simply clearly exactly usually rarely always never maybe perhaps indeed"
-    ).split()
 )
+_WORDS = tuple(_WORD_TEXT.split())
 
 
 @dataclass(frozen=True)
