@@ -38,6 +38,18 @@ def _worker(args: argparse.Namespace) -> int:
     return run_worker(settings_from_args(args))
 
 
+def _control(args: argparse.Namespace) -> int:
+    import logging
+
+    from worker.control.app import run_control
+    from worker.control.settings import control_settings_from_args
+
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_control(control_settings_from_args(args), concurrency=args.concurrency,
+                       beat=args.beat)
+
+
 def _db(args: argparse.Namespace) -> int:
     from jobs import db
 
@@ -67,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run a worker: Redis stream → engine → SQL")
     add_settings_arguments(worker)
     worker.set_defaults(func=_worker)
+
+    from worker.control.settings import add_control_arguments
+
+    control = sub.add_parser("control", help="run the control plane: a Celery worker with the "
+                                             "beat schedule (deadlines, batches, retention)")
+    control.add_argument("--concurrency", type=int, default=4, help="task threads")
+    control.add_argument("--beat", action=argparse.BooleanOptionalAction, default=True,
+                         help="embed the beat scheduler (run exactly one with it)")
+    add_control_arguments(control)
+    control.set_defaults(func=_control)
 
     import os
 

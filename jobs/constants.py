@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_KEY_PREFIX = "kvbatch"
+# The served name of the default model (what ``kvbatch worker`` loads without ``--model``).
+DEFAULT_MODEL = "smollm2-135m-instruct"
 CONSUMER_GROUP = "workers"
 # Largest JSON payload of one job on the wire (prompt, messages, parameters, metadata).
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -59,6 +61,18 @@ class Keys:
     def done_channel(self) -> str:
         """Pub/sub channel carrying ``{"id": ..., "status": ...}`` for each finished job."""
         return f"{self.prefix}:done"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Set to the batch's final status (``completed``/``expired``) once it is finalized."""
+        return f"{self.prefix}:batch-done:{batch_id}"
+
+    def batch_done_channel(self) -> str:
+        """Pub/sub channel carrying the completion event of each finalized batch (JSON)."""
+        return f"{self.prefix}:batches:done"
+
+    def control_lock(self, name: str) -> str:
+        """Held while one control-plane task runs, so replicas do not run it twice at once."""
+        return f"{self.prefix}:lock:control:{name}"
 
     def reconcile_lock(self, model: str) -> str:
         """Held by the one worker reconciling ``model``'s stream against SQL."""

@@ -24,6 +24,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 STATUS_VALUES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
+BATCH_IN_PROGRESS, BATCH_COMPLETED, BATCH_EXPIRED = "in_progress", "completed", "expired"
+BATCH_STATUS_VALUES = (BATCH_IN_PROGRESS, BATCH_COMPLETED, BATCH_EXPIRED)
 
 
 class Base(DeclarativeBase):
@@ -32,6 +34,7 @@ class Base(DeclarativeBase):
 
 class Batch(Base):
     __tablename__ = "batches"
+    __table_args__ = (Index("ix_batches_status", "status"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     model: Mapped[str] = mapped_column(String(255))
@@ -39,6 +42,18 @@ class Batch(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     num_jobs: Mapped[int] = mapped_column(Integer, default=0)
+    # Lifecycle, driven by the control plane (worker/control/): in_progress -> completed (every
+    # job terminal) or expired (deadline passed), set once; then the completion event, the
+    # webhook (retried with backoff) and the optional results export.
+    status: Mapped[str] = mapped_column(String(16), default="in_progress",
+                                        server_default="in_progress")
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    webhook_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    webhook_next_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    webhook_error: Mapped[str | None] = mapped_column(Text)
+    results_path: Mapped[str | None] = mapped_column(Text)
+    notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Job(Base):

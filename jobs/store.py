@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, case, func, insert, select, update
+from sqlalchemy import Engine, case, delete, func, insert, null, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, Job, JobMetrics
+from jobs.models import BATCH_EXPIRED, BATCH_IN_PROGRESS, Batch, Job, JobMetrics
 from jobs.schemas import (
     ACTIVE_STATUSES,
     Choice,
@@ -32,6 +32,10 @@ from jobs.schemas import (
 )
 
 _ACTIVE = [s.value for s in ACTIVE_STATUSES]
+_EXPIRED_ERROR = {
+    JobStatus.QUEUED.value: "deadline passed before the job ran",
+    JobStatus.RUNNING.value: "deadline passed while running (worker did not report back)",
+}
 
 
 def to_dt(ts: float) -> datetime:
@@ -220,6 +224,120 @@ class JobStore:
                                                  error="deadline passed before the job ran"))
             ]
 
+    # -- control plane (worker/control/) ------------------------------------------------------
+
+    def expire_past_deadline(self, now_s: float, running_grace_s: float,
+                             limit: int = 1000) -> list[tuple[str, str]]:
+        """Expire jobs of every model whose deadline passed: queued ones at once, running ones
+        ``running_grace_s`` later (their worker aborts them itself at the deadline; past the
+        grace it is presumably gone). Returns (id, status before) of each job expired now."""
+        queued_cut, running_cut = to_dt(now_s), to_dt(now_s - running_grace_s)
+        with Session(self.engine) as session, session.begin():
+            rows = session.execute(
+                select(Job.id, Job.status).where(
+                    Job.deadline_at.is_not(None),
+                    ((Job.status == JobStatus.QUEUED.value) & (Job.deadline_at <= queued_cut))
+                    | ((Job.status == JobStatus.RUNNING.value)
+                       & (Job.deadline_at <= running_cut)),
+                ).limit(limit).with_for_update(skip_locked=True)
+            ).all()
+            return [
+                (row.id, row.status) for row in rows
+                if _terminalize(session, Outcome(row.id, JobStatus.EXPIRED, now_s,
+                                                 error=_EXPIRED_ERROR[row.status]))
+            ]
+
+    def expire_batches(self, now_s: float) -> dict[str, list[tuple[str, str]]]:
+        """Batches still in progress whose deadline passed become ``expired`` with every active
+        job in them, one transaction per batch. Returns batch id -> (job id, status before)."""
+        with Session(self.engine) as session:
+            batch_ids = session.scalars(
+                select(Batch.id).where(Batch.status == BATCH_IN_PROGRESS,
+                                       Batch.deadline_at.is_not(None),
+                                       Batch.deadline_at <= to_dt(now_s))
+            ).all()
+        expired: dict[str, list[tuple[str, str]]] = {}
+        for batch_id in batch_ids:
+            with Session(self.engine) as session, session.begin():
+                res = session.execute(
+                    update(Batch).where(Batch.id == batch_id, Batch.status == BATCH_IN_PROGRESS)
+                    .values(status=BATCH_EXPIRED, completed_at=to_dt(now_s))
+                )
+                if res.rowcount != 1:
+                    continue  # completed or expired by someone else meanwhile
+                rows = session.execute(
+                    select(Job.id, Job.status)
+                    .where(Job.batch_id == batch_id, Job.status.in_(_ACTIVE))
+                    .with_for_update()
+                ).all()
+                expired[batch_id] = [
+                    (row.id, row.status) for row in rows
+                    if _terminalize(session, Outcome(row.id, JobStatus.EXPIRED, now_s,
+                                                     error="batch deadline passed"))
+                ]
+        return expired
+
+    def reap_overdelivered(self, max_deliveries: int, live_workers: set[str], now_s: float,
+                           limit: int = 1000) -> list[tuple[str, str, int]]:
+        """Fail active jobs that used up their deliveries and are on no live worker: queued, or
+        running on a worker whose heartbeat is gone. Their next delivery would dead-letter them;
+        this does it when no worker is left to pull them. Returns (id, model, attempts)."""
+        with Session(self.engine) as session, session.begin():
+            rows = session.execute(
+                select(Job.id, Job.model, Job.status, Job.attempts, Job.worker_id)
+                .where(Job.status.in_(_ACTIVE), Job.attempts >= max_deliveries)
+                .limit(limit).with_for_update(skip_locked=True)
+            ).all()
+            reaped = []
+            for row in rows:
+                if row.status == JobStatus.RUNNING.value and row.worker_id in live_workers:
+                    continue  # its last allowed delivery is still running
+                error = (f"dead-lettered: delivered {row.attempts} times (limit "
+                         f"{max_deliveries}) without finishing; reaped by the control plane")
+                if _terminalize(session, Outcome(row.id, JobStatus.FAILED, now_s, error=error)):
+                    reaped.append((row.id, row.model, row.attempts))
+            return reaped
+
+    def purge_results(self, finished_before_s: float, limit: int = 1000) -> int:
+        """Drop the result payload (text, token ids, logprobs, choices) of up to ``limit``
+        terminal jobs finished before then; rows and their stats stay for the dashboards."""
+        with Session(self.engine) as session, session.begin():
+            ids = session.scalars(
+                select(Job.id).where(
+                    Job.finished_at < to_dt(finished_before_s),
+                    Job.status.not_in(_ACTIVE),
+                    Job.text.is_not(None) | Job.token_ids.is_not(None),
+                ).limit(limit)
+            ).all()
+            if not ids:
+                return 0
+            session.execute(
+                update(Job).where(Job.id.in_(ids)).values(
+                    text=null(), token_ids=null(), logprobs=null(), choices=null()
+                )
+            )
+            return len(ids)
+
+    def delete_finished(self, finished_before_s: float, limit: int = 1000) -> int:
+        """Delete up to ``limit`` terminal jobs finished before then (their stats go with
+        them), then batches that are settled and have no job left."""
+        with Session(self.engine) as session, session.begin():
+            ids = session.scalars(
+                select(Job.id).where(Job.finished_at < to_dt(finished_before_s),
+                                     Job.status.not_in(_ACTIVE)).limit(limit)
+            ).all()
+            if ids:
+                session.execute(delete(JobMetrics).where(JobMetrics.job_id.in_(ids)))
+                session.execute(delete(Job).where(Job.id.in_(ids)))
+            session.execute(
+                delete(Batch).where(
+                    Batch.status != BATCH_IN_PROGRESS, Batch.notified_at.is_not(None),
+                    Batch.completed_at < to_dt(finished_before_s),
+                    ~select(Job.id).where(Job.batch_id == Batch.id).exists(),
+                )
+            )
+            return len(ids)
+
     # -- readers -----------------------------------------------------------------------------
 
     def get(self, job_id: str) -> JobInfo | None:
@@ -234,6 +352,25 @@ class JobStore:
                 .where(Job.id.in_(job_ids))
             ).all()
         return [_info(job, metrics) for job, metrics in rows]
+
+    def batch_jobs(self, batch_id: str) -> list[tuple[str, str | None, JobStatus]]:
+        """(id, custom_id, status) of every job of ``batch_id``."""
+        with Session(self.engine) as session:
+            rows = session.execute(
+                select(Job.id, Job.custom_id, Job.status).where(Job.batch_id == batch_id)
+            ).all()
+        return [(r.id, r.custom_id, JobStatus(r.status)) for r in rows]
+
+    def terminal_ids(self, job_ids: Sequence[str], chunk: int = 1000) -> set[str]:
+        """Which of ``job_ids`` are terminal (one query per ``chunk`` ids)."""
+        done: set[str] = set()
+        with Session(self.engine) as session:
+            for start in range(0, len(job_ids), chunk):
+                done.update(session.scalars(
+                    select(Job.id).where(Job.id.in_(job_ids[start:start + chunk]),
+                                         Job.status.not_in(_ACTIVE))
+                ))
+        return done
 
     def count_by_status(self, model: str | None = None,
                         batch_id: str | None = None) -> dict[JobStatus, int]:

@@ -1,0 +1,158 @@
+"""The bodies of the control-plane tasks, plain functions of :class:`Services` and the time.
+
+Each is idempotent: state changes are guarded by the rows' current state (terminal job
+transitions by ``status IN ('queued', 'running')``, batch steps by the batch's columns), so a
+task that runs twice, or on two control replicas at once, does its work once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from sqlalchemy import Engine
+
+from jobs.constants import DONE_MARKER_TTL_S, FIELD_ID, FIELD_JOB, FIELD_REASON, Keys
+from jobs.db import make_engine
+from jobs.queue import DEAD_LETTER_MAXLEN, JobQueue, signal_cancel
+from jobs.schemas import JobStatus, encode_job
+from jobs.store import JobStore
+from worker.control import batches
+from worker.control.settings import ControlSettings
+from worker.control.webhook import backoff_s, post_event
+
+log = logging.getLogger(__name__)
+DAY_S = 86400.0
+
+
+@dataclass
+class Services:
+    """Connections shared by the tasks of one control process (all thread-safe)."""
+
+    settings: ControlSettings
+    engine: Engine
+    redis: redis.Redis
+    keys: Keys
+
+    @classmethod
+    def connect(cls, settings: ControlSettings) -> Services:
+        return cls(settings, make_engine(settings.database_url),
+                   redis.Redis.from_url(settings.redis_url, decode_responses=True),
+                   Keys(settings.key_prefix))
+
+    @property
+    def store(self) -> JobStore:
+        return JobStore(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+        self.redis.close()
+
+    def publish_done(self, jobs: list[tuple[str, str]]) -> None:
+        if jobs:  # the channel is shared by all models; the queue's model does not matter
+            JobQueue(self.redis, "", self.keys).publish_done(jobs)
+
+
+def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
+    """Expire batches past their deadline (with their active jobs), then any job past its own.
+    Running jobs expired here get a cancel signal, so a live worker frees their KV blocks."""
+    s = svc.settings
+    by_batch = svc.store.expire_batches(now_s)
+    jobs = [job for expired in by_batch.values() for job in expired]
+    jobs += svc.store.expire_past_deadline(now_s, s.running_deadline_grace_s)
+    for job_id, before in jobs:
+        if before == JobStatus.RUNNING.value:
+            signal_cancel(svc.redis, svc.keys, job_id)
+    svc.publish_done([(job_id, JobStatus.EXPIRED.value) for job_id, _ in jobs])
+    if jobs or by_batch:
+        log.info("expired %d batches and %d jobs", len(by_batch), len(jobs))
+    return {"batches": sorted(by_batch), "jobs": sorted(job_id for job_id, _ in jobs)}
+
+
+def complete_batches(svc: Services, now_s: float) -> list[str]:
+    """Mark finished batches ``completed``; returns the batches now due for finalizing."""
+    done = batches.complete_batches(svc.engine, now_s, svc.settings.batch_settle_s)
+    if done:
+        log.info("batches completed: %s", ", ".join(done))
+    return batches.due_batches(svc.engine, now_s)
+
+
+def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
+    """Export, publish, POST: what is left of finalizing one settled batch. Returns what
+    happened: ``skipped`` (not settled, already finalized, or retry not due), ``notified``,
+    ``retry`` (webhook failed, will be retried) or ``gave-up``."""
+    s = svc.settings
+    batch = batches.load(svc.engine, batch_id)
+    if batch is None or batch.status == "in_progress" or batch.notified_at is not None:
+        return "skipped"
+    if batch.webhook_next_at is not None and batch.webhook_next_at.timestamp() > now_s:
+        return "skipped"
+    results_path = batch.results_path
+    if s.export_dir and results_path is None:
+        results_path = batches.export_results(svc.store, batch_id, s.export_dir)
+        batches.record_export(svc.engine, batch_id, results_path)
+    event = batches.event(svc.store, batch, results_path)
+    if batch.webhook_attempts == 0:  # published once, before the first webhook attempt
+        pipe = svc.redis.pipeline(transaction=False)
+        pipe.set(svc.keys.batch_done(batch_id), batch.status, ex=DONE_MARKER_TTL_S)
+        pipe.publish(svc.keys.batch_done_channel(), json.dumps(event))
+        pipe.execute()
+    url = batch.webhook_url or s.webhook_url
+    if not url:
+        batches.mark_notified(svc.engine, batch_id, now_s)
+        return "notified"
+    error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s)
+    retry_in_s = backoff_s(batch.webhook_attempts + 1, s.webhook_backoff_s)
+    settled = batches.record_webhook_attempt(svc.engine, batch_id, now_s, error,
+                                             s.webhook_max_attempts, retry_in_s)
+    if error is None:
+        return "notified"
+    log.warning("batch %s webhook attempt %d failed: %s", batch_id,
+                batch.webhook_attempts + 1, error)
+    return "gave-up" if settled else "retry"
+
+
+def purge(svc: Services, now_s: float) -> dict[str, int]:
+    """Drop old result payloads, then (if configured) old job rows, a chunk per transaction."""
+    s = svc.settings
+    purged = deleted = 0
+    if s.results_retention_days is not None:
+        cutoff = now_s - s.results_retention_days * DAY_S
+        while (n := svc.store.purge_results(cutoff, s.purge_chunk)) > 0:
+            purged += n
+    if s.jobs_retention_days is not None:
+        cutoff = now_s - s.jobs_retention_days * DAY_S
+        while (n := svc.store.delete_finished(cutoff, s.purge_chunk)) > 0:
+            deleted += n
+    if purged or deleted:
+        log.info("retention: dropped %d results, deleted %d jobs", purged, deleted)
+    return {"results_purged": purged, "jobs_deleted": deleted}
+
+
+def reap(svc: Services, now_s: float) -> list[str]:
+    """Fail jobs past the delivery limit that no live worker holds, and copy them to their
+    model's dead-letter stream, as a worker would on their next delivery."""
+    live = JobQueue(svc.redis, "", svc.keys).live_workers()  # the registry spans all models
+    reaped = svc.store.reap_overdelivered(svc.settings.max_deliveries, live, now_s)
+    if not reaped:
+        return []
+    specs = {spec.id: spec for spec in svc.store.specs([job_id for job_id, _, _ in reaped])}
+    by_model: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for job_id, model, attempts in reaped:
+        by_model[model].append((job_id, attempts))
+    pipe = svc.redis.pipeline(transaction=False)
+    for model, jobs in by_model.items():
+        for job_id, attempts in jobs:
+            spec = specs.get(job_id)
+            pipe.xadd(svc.keys.dead_letter(model), {
+                FIELD_ID: job_id, FIELD_JOB: encode_job(spec) if spec else "",
+                FIELD_REASON: f"reaped after {attempts} deliveries",
+            }, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+    pipe.execute()
+    svc.publish_done([(job_id, JobStatus.FAILED.value) for job_id, _, _ in reaped])
+    log.warning("reaped %d jobs past %d deliveries", len(reaped), svc.settings.max_deliveries)
+    return [job_id for job_id, _, _ in reaped]

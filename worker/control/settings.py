@@ -1,0 +1,78 @@
+"""Control-plane settings: flags of ``kvbatch control`` or ``KVBATCH_*`` environment variables.
+
+Names shared with the worker (``redis_url``, ``database_url``, ``key_prefix``,
+``max_deliveries``) read the same variables, so one environment file serves both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from jobs.constants import DEFAULT_KEY_PREFIX
+from jobs.db import DEFAULT_DATABASE_URL
+
+
+class ControlSettings(BaseSettings):
+    """Where the queue and database are, how often each task runs, and what finalizing a
+    batch does (export, webhook)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVBATCH_", frozen=True, extra="forbid")
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = Field(None, description="Celery broker (default: --redis-url)")
+    database_url: str = DEFAULT_DATABASE_URL
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    max_deliveries: int = Field(3, ge=1, description="the workers' limit, for the reaper")
+    # Schedules.
+    expire_interval_s: float = Field(30.0, gt=0)
+    finalize_interval_s: float = Field(10.0, gt=0)
+    reap_interval_s: float = Field(60.0, gt=0)
+    purge_interval_s: float = Field(3600.0, gt=0)
+    # Deadlines and batches.
+    running_deadline_grace_s: float = Field(
+        60.0, ge=0, description="expire a running job this long after its deadline")
+    batch_settle_s: float = Field(
+        30.0, ge=0, description="finalize a batch once no job was added to it for this long")
+    # Finalization.
+    export_dir: str | None = Field(None, description="write <batch>.jsonl results files here")
+    webhook_url: str | None = Field(None, description="POST batch events here (a batch's "
+                                                      "own webhook_url wins)")
+    webhook_secret: str | None = Field(None, description="HMAC-SHA256 key signing webhooks")
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_max_attempts: int = Field(8, ge=1)
+    webhook_backoff_s: float = Field(30.0, gt=0, description="first retry delay; doubles, "
+                                                             "capped at one hour")
+    # Retention.
+    results_retention_days: float | None = Field(
+        30.0, gt=0, description="drop result payloads of jobs finished longer ago")
+    jobs_retention_days: float | None = Field(
+        None, gt=0, description="delete job rows (and their stats) finished longer ago")
+    purge_chunk: int = Field(1000, ge=1, description="rows per purge transaction")
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or self.redis_url
+
+
+def add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per settings field; unset flags fall back to environment and defaults."""
+    for name, field in ControlSettings.model_fields.items():
+        kind = _scalar(field.annotation)
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
+                            default=argparse.SUPPRESS, help=field.description)
+
+
+def control_settings_from_args(args: argparse.Namespace) -> ControlSettings:
+    given = {k: v for k, v in vars(args).items() if k in ControlSettings.model_fields}
+    return ControlSettings(**given)
+
+
+def _scalar(annotation: Any) -> type:
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    return annotation if annotation in (int, float) else str
