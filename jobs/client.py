@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterator, Sequence
 
 import redis
 from sqlalchemy import Engine
 
 from jobs.constants import DEFAULT_KEY_PREFIX, Keys
 from jobs.db import DEFAULT_DATABASE_URL, make_engine
+from jobs.follow import Follower
 from jobs.queue import JobQueue, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
 from jobs.store import JobStore
@@ -63,6 +64,36 @@ class JobClient:
                 log.warning("jobs stored but not enqueued (%s); the reconciler will", exc)
         return [s.id for s in specs]
 
+    def submit_batch(self, batch_id: str, specs: Sequence[JobSpec],
+                     chunk_size: int = 1000) -> dict[str, str]:
+        """Submit the rows of batch ``batch_id`` it does not hold yet; ``custom_id`` is the key.
+
+        Rows already in the batch (whatever their status) are neither inserted nor enqueued
+        again, so resubmitting a batch never runs a row twice. Each chunk of ``chunk_size``
+        rows is one SQL transaction and one Redis pipeline.
+
+        Args:
+            batch_id: the batch; every spec must carry it and a ``custom_id`` unique in it.
+            specs: the rows.
+            chunk_size: rows per transaction and pipeline.
+
+        Returns:
+            ``custom_id`` -> job id for every row of the batch (old and new).
+        """
+        custom_ids = [s.custom_id for s in specs]
+        if any(s.batch_id != batch_id or s.custom_id is None for s in specs):
+            raise ValueError(f"every row needs batch_id {batch_id!r} and a custom_id")
+        dups = [c for c, n in Counter(custom_ids).items() if n > 1]
+        if dups:
+            dup = dups[0]
+            raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
+        existing = {cid: job_id for job_id, cid, _ in self.store.batch_jobs(batch_id)
+                    if cid is not None}
+        new = [s for s in specs if s.custom_id not in existing]
+        for start in range(0, len(new), chunk_size):
+            self.submit(new[start:start + chunk_size])
+        return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
+
     def get(self, job_id: str) -> JobInfo | None:
         return self.store.get(job_id)
 
@@ -82,20 +113,34 @@ class JobClient:
     def wait(self, job_ids: Sequence[str], timeout_s: float = 60.0,
              poll_interval_s: float = 1.0) -> list[JobInfo]:
         """Block until all ``job_ids`` are terminal (or ``timeout_s`` passes); return them."""
-        waiting = set(job_ids)
-        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(TimeoutError):
+            for _ in self.follow(job_ids, timeout_s, poll_interval_s):
+                pass
+        return self.store.get_many(list(job_ids))
+
+    def follow(self, job_ids: Collection[str], timeout_s: float | None = None,
+               poll_interval_s: float = 1.0, batch_id: str | None = None) -> Iterator[JobInfo]:
+        """Yield each of ``job_ids`` once it is terminal, in completion order.
+
+        Args:
+            job_ids: the jobs to follow.
+            timeout_s: raise ``TimeoutError`` if they are not all terminal by then.
+            poll_interval_s: how often SQL is read when no completion notice arrives.
+            batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
+        """
+        follower = Follower(self.store, job_ids, timeout_s, poll_interval_s, batch_id)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.keys.done_channel())
+        pubsub.subscribe(self.keys.done_channel())  # before the first read of SQL
         try:
-            next_poll = 0.0
-            while waiting and time.monotonic() < deadline:
-                if time.monotonic() >= next_poll:
-                    infos = self.store.get_many(sorted(waiting))
-                    waiting -= {i.id for i in infos if i.status.terminal}
-                    next_poll = time.monotonic() + poll_interval_s
-                msg = pubsub.get_message(timeout=min(poll_interval_s, 0.2))
-                if msg and msg.get("type") == "message":
-                    waiting.discard(json.loads(msg["data"]).get("id"))
+            while True:
+                yield from follower.take()
+                if not follower.pending:
+                    return
+                if follower.expired():
+                    raise TimeoutError(f"{len(follower.pending)} jobs not finished in time")
+                message = pubsub.get_message(timeout=follower.wait_s())
+                while message is not None:
+                    follower.notice(message)
+                    message = pubsub.get_message(timeout=0)
         finally:
             pubsub.close()
-        return self.store.get_many(list(job_ids))

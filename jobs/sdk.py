@@ -1,0 +1,361 @@
+"""The Python SDK: submit jobs and batches, follow them, read results and statistics.
+
+```python
+from jobs import Client
+
+client = Client()                       # KVBATCH_REDIS_URL / KVBATCH_DATABASE_URL
+job = client.submit(prompt="Why is the sky blue?", max_tokens=64)
+print(job.result(timeout_s=60).text)
+
+batch = client.submit_batch([{"custom_id": "a", "prompt": "…"}, …], batch_id="my-dataset")
+for info in batch.results():            # completion order
+    print(info.custom_id, info.status, info.result.text if info.result else info.error)
+```
+
+Everything is validated (pydantic) before anything is enqueued. The async twin is
+:class:`jobs.aio.AsyncClient`.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from jobs.client import JobClient
+from jobs.constants import DEFAULT_KEY_PREFIX, DEFAULT_MODEL
+from jobs.db import DEFAULT_DATABASE_URL
+from jobs.rows import Row, parse_row
+from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus
+from jobs.stats import Stats, query_stats
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class JobFailed(Exception):
+    """A job ended without a result: failed, cancelled or expired.
+
+    Attributes:
+        info: the stored job; ``info.status`` and ``info.error`` (the stored reason).
+    """
+
+    def __init__(self, info: JobInfo) -> None:
+        super().__init__(f"job {info.id} {info.status.value}: {info.error or 'no reason'}")
+        self.info = info
+
+    @property
+    def status(self) -> JobStatus:
+        return self.info.status
+
+    @property
+    def reason(self) -> str | None:
+        return self.info.error
+
+
+@dataclass(frozen=True)
+class BatchCounts:
+    """How many jobs of a batch are in each status."""
+
+    queued: int = 0
+    running: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    expired: int = 0
+
+    @classmethod
+    def of(cls, counts: Mapping[JobStatus, int]) -> BatchCounts:
+        return cls(**{s.value: n for s, n in counts.items()})
+
+    @property
+    def total(self) -> int:
+        return self.active + self.done
+
+    @property
+    def active(self) -> int:
+        return self.queued + self.running
+
+    @property
+    def done(self) -> int:
+        return self.succeeded + self.failed + self.cancelled + self.expired
+
+
+def result_of(info: JobInfo) -> JobResult:
+    """The result of a terminal job; :class:`JobFailed` unless it succeeded."""
+    if info.status is not JobStatus.SUCCEEDED or info.result is None:
+        raise JobFailed(info)
+    return info.result
+
+
+def env_settings(redis_url: str | None, database_url: str | None,
+                 key_prefix: str | None) -> tuple[str, str, str]:
+    """Explicit arguments, else ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
+    ``KVBATCH_KEY_PREFIX``, else the defaults (the worker reads the same variables)."""
+    return (redis_url or os.environ.get("KVBATCH_REDIS_URL") or DEFAULT_REDIS_URL,
+            database_url or os.environ.get("KVBATCH_DATABASE_URL") or DEFAULT_DATABASE_URL,
+            key_prefix or os.environ.get("KVBATCH_KEY_PREFIX") or DEFAULT_KEY_PREFIX)
+
+
+class JobHandle:
+    """A submitted job. Cheap to create: it holds the id and reads state when asked."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+    def info(self) -> JobInfo:
+        """The stored job (status, result, statistics)."""
+        info = self.client.jobs.get(self.id)
+        if info is None:
+            raise KeyError(f"unknown job {self.id!r}")
+        return info
+
+    def status(self) -> JobStatus:
+        """The job's current status."""
+        return self.info().status
+
+    def wait(self, timeout_s: float | None = None) -> JobInfo:
+        """Block until the job is terminal (on the completion notice, not by tight polling).
+
+        Args:
+            timeout_s: raise ``TimeoutError`` after this long (None: wait forever).
+        """
+        return next(self.client.jobs.follow([self.id], timeout_s))
+
+    def result(self, timeout_s: float | None = None) -> JobResult:
+        """Wait for the job and return its result.
+
+        Args:
+            timeout_s: raise ``TimeoutError`` after this long (None: wait forever).
+
+        Raises:
+            JobFailed: the job failed, was cancelled or expired; carries the stored reason.
+        """
+        return result_of(self.wait(timeout_s))
+
+    def cancel(self) -> JobStatus | None:
+        """Cancel the job: a queued one at once, a running one by its worker. Returns the
+        status right after the request (None for an unknown job)."""
+        return self.client.jobs.cancel(self.id)
+
+
+class BatchHandle:
+    """A submitted batch: live counts, results in completion order, cancel."""
+
+    def __init__(self, client: Client, batch_id: str,
+                 job_ids: Mapping[str, str] | None = None) -> None:
+        self.client = client
+        self.id = batch_id
+        self._job_ids = dict(job_ids) if job_ids is not None else None
+
+    def __repr__(self) -> str:
+        return f"BatchHandle({self.id!r})"
+
+    @property
+    def job_ids(self) -> dict[str, str]:
+        """``custom_id`` -> job id of every row."""
+        if self._job_ids is None:
+            self._job_ids = {cid or job_id: job_id for job_id, cid, _
+                             in self.client.jobs.store.batch_jobs(self.id)}
+        return self._job_ids
+
+    def counts(self) -> BatchCounts:
+        """How many of the batch's jobs are in each status, now."""
+        return BatchCounts.of(self.client.jobs.store.count_by_status(batch_id=self.id))
+
+    def results(self, timeout_s: float | None = None,
+                poll_interval_s: float = 1.0) -> Iterator[JobInfo]:
+        """Yield every job of the batch once it is terminal, in completion order (jobs
+        finished before the call first). Failed jobs are yielded too: check ``status``.
+
+        Args:
+            timeout_s: raise ``TimeoutError`` if the batch is not done by then.
+            poll_interval_s: how often SQL is read when no completion notice arrives.
+        """
+        return self.client.jobs.follow(list(self.job_ids.values()), timeout_s,
+                                       poll_interval_s, batch_id=self.id)
+
+    def wait(self, timeout_s: float | None = None) -> BatchCounts:
+        """Block until every job of the batch is terminal; return the final counts.
+
+        Args:
+            timeout_s: raise ``TimeoutError`` after this long.
+        """
+        for _ in self.results(timeout_s):
+            pass
+        return self.counts()
+
+    def cancel(self) -> int:
+        """Cancel every unfinished job of the batch; return how many were asked to stop."""
+        active = [job_id for job_id, _, status in self.client.jobs.store.batch_jobs(self.id)
+                  if not status.terminal]
+        return sum(self.client.jobs.cancel(job_id) is not None for job_id in active)
+
+    def stats(self) -> Stats:
+        """Aggregate statistics of the batch's finished jobs (from SQL)."""
+        return self.client.stats(batch_id=self.id)
+
+
+class Client:
+    """Submit generation jobs to kvbatch workers and read their results.
+
+    Args:
+        redis_url: the queue (default ``$KVBATCH_REDIS_URL``, else local Redis).
+        database_url: the SQL database (default ``$KVBATCH_DATABASE_URL``, else
+            ``sqlite:///kvbatch.db``).
+        key_prefix: Redis key prefix shared with the workers (default
+            ``$KVBATCH_KEY_PREFIX``, else ``kvbatch``).
+        model: served model name used when a call names none.
+    """
+
+    def __init__(self, redis_url: str | None = None, database_url: str | None = None, *,
+                 key_prefix: str | None = None, model: str = DEFAULT_MODEL) -> None:
+        redis_url, database_url, key_prefix = env_settings(redis_url, database_url, key_prefix)
+        self.jobs = JobClient(database=database_url, redis_url=redis_url,
+                              key_prefix=key_prefix)
+        self.model = model
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the Redis and database connections."""
+        self.jobs.redis.close()
+        self.jobs.store.engine.dispose()
+
+    def submit(self, prompt: str | None = None, *,
+               messages: list[dict[str, str]] | None = None, model: str | None = None,
+               max_tokens: int | None = None, temperature: float | None = None,
+               priority: int = 0, metadata: dict[str, Any] | None = None,
+               deadline: datetime | None = None, **sampling: Any) -> JobHandle:
+        """Submit one job.
+
+        Args:
+            prompt: a plain-text prompt; exactly one of ``prompt`` and ``messages``.
+            messages: chat messages (``{"role", "content"}``), rendered with the chat template.
+            model: served model name (default: the client's).
+            max_tokens: most tokens to generate (default 16).
+            temperature: sampling temperature; 0 is greedy (default 1.0).
+            priority: lower runs first.
+            metadata: JSON kept with the job.
+            deadline: the job expires, unrun or aborted, if not finished by then.
+            **sampling: any other ``SamplingParams`` field (``top_p``, ``stop``, ``seed``, …).
+
+        Raises:
+            pydantic.ValidationError: invalid arguments; nothing was enqueued.
+        """
+        sampling = _given(sampling, max_tokens=max_tokens, temperature=temperature)
+        spec = JobSpec(model=model or self.model, prompt=prompt, messages=messages,
+                       sampling=sampling, priority=priority, metadata=metadata or {},
+                       deadline=deadline)
+        self.jobs.submit([spec])
+        return JobHandle(self, spec.id)
+
+    def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row], *,
+                     batch_id: str | None = None, model: str | None = None,
+                     system_prompt: str | None = None, priority: int = 0,
+                     deadline: datetime | None = None, chunk_size: int = 1000,
+                     **defaults: Any) -> BatchHandle:
+        """Submit many rows as one batch, pipelined (one transaction and one Redis pipeline
+        per ``chunk_size`` rows). ``custom_id`` is the idempotency key: rows the batch already
+        holds are not submitted again, so resubmitting a batch never runs a row twice.
+
+        Args:
+            rows: plain rows (``{"custom_id", "prompt" | "messages", <sampling fields>,
+                "priority", "metadata"}``) or OpenAI Batch API rows (``{"custom_id",
+                "method", "url", "body"}``); a plain row without ``custom_id`` gets its index.
+            batch_id: the batch (default: a new one); reuse it to resume.
+            model: served model name for every row (default: the client's).
+            system_prompt: prepended as a system message to rows without one (a ``prompt``
+                row becomes a chat).
+            priority: default priority of the rows.
+            deadline: every row expires if not finished by then.
+            chunk_size: rows per SQL transaction and Redis pipeline.
+            **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
+
+        Raises:
+            ValueError: a malformed row (its index is named); nothing was enqueued.
+            pydantic.ValidationError: as ``ValueError``, from the job schema.
+        """
+        batch_id = batch_id or f"batch-{uuid.uuid4().hex[:16]}"
+        specs = []
+        for index, raw in enumerate(rows):
+            try:
+                row = raw if isinstance(raw, Row) else parse_row(raw, index)
+                specs.append(row_spec(row, model=model or self.model, batch_id=batch_id,
+                                      system_prompt=system_prompt, defaults=defaults,
+                                      priority=priority, deadline=deadline))
+            except ValidationError as exc:
+                raise ValueError(f"row {index}: {_brief(exc)}") from exc
+            except ValueError as exc:
+                raise ValueError(f"row {index}: {exc}") from exc
+        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size)
+        return BatchHandle(self, batch_id, job_ids)
+
+    def job(self, job_id: str) -> JobHandle:
+        """A handle on an existing job (``KeyError`` if unknown).
+
+        Args:
+            job_id: the job's id.
+        """
+        handle = JobHandle(self, job_id)
+        handle.info()
+        return handle
+
+    def batch(self, batch_id: str) -> BatchHandle:
+        """A handle on an existing batch (``KeyError`` if it has no jobs).
+
+        Args:
+            batch_id: the batch's id.
+        """
+        handle = BatchHandle(self, batch_id)
+        if not handle.job_ids:
+            raise KeyError(f"unknown batch {batch_id!r}")
+        return handle
+
+    def stats(self, batch_id: str | None = None,
+              since: datetime | timedelta | None = None) -> Stats:
+        """Aggregate tokens, throughput, latency percentiles, prefix-cache hit rate and peak
+        KV memory of finished jobs, read from the ``job_stats`` view.
+
+        Args:
+            batch_id: only this batch.
+            since: only jobs finished since then (a ``timedelta`` counts back from now).
+        """
+        return query_stats(self.jobs.store.engine, batch_id=batch_id, since=since)
+
+
+def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str | None,
+             defaults: Mapping[str, Any], priority: int,
+             deadline: datetime | None) -> JobSpec:
+    """The job of one dataset row: the row's sampling fields over ``defaults``."""
+    prompt, messages = row.prompt, row.messages
+    if system_prompt is not None:
+        if messages is None and prompt is not None:
+            prompt, messages = None, [{"role": "user", "content": prompt}]
+        if messages is not None and not any(m.get("role") == "system" for m in messages):
+            messages = [{"role": "system", "content": system_prompt}, *messages]
+    return JobSpec(model=model, batch_id=batch_id, custom_id=row.custom_id, prompt=prompt,
+                   messages=messages, sampling={**defaults, **row.sampling},
+                   priority=priority if row.priority is None else row.priority,
+                   metadata=row.metadata, deadline=deadline)
+
+
+def _given(sampling: dict[str, Any], **named: Any) -> dict[str, Any]:
+    return {**sampling, **{k: v for k, v in named.items() if v is not None}}
+
+
+def _brief(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}"
+                     for e in exc.errors())

@@ -1,0 +1,106 @@
+"""Fixtures for the SDK and CLI tests, on the real services: Redis on 127.0.0.1:6379 under a
+per-test key prefix, PostgreSQL (database ``test``) in a per-test schema, and in-thread
+workers on a tiny random model. Everything a test creates is removed afterwards."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import text
+
+from jobs import db
+from jobs.sdk import Client
+
+REDIS_URL = os.environ.get("KVBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+PG_URL = os.environ.get(
+    "KVBATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+MODEL = "tiny"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def key_prefix() -> Iterator[str]:
+    prefix = f"kvbatch-sdk-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+    if stale:
+        client.delete(*stale)
+    client.close()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A migrated PostgreSQL schema of its own."""
+    schema = f"kvb_sdk_{uuid.uuid4().hex[:12]}"
+    admin = db.make_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
+    db.upgrade(url)
+    yield url
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture
+def services(key_prefix: str, pg_url: str) -> dict[str, str]:
+    """What a ``Client``, the CLI (as environment variables) and a worker need."""
+    return {"redis_url": REDIS_URL, "database_url": pg_url, "key_prefix": key_prefix}
+
+
+@pytest.fixture
+def client(services: dict[str, str]) -> Iterator[Client]:
+    with Client(model=MODEL, **services) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
+@pytest.fixture
+def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable[..., object]]:
+    """Start a worker loop on the tiny model in a thread; stopped (no drain) at the end."""
+    from worker.loop import Worker
+    from worker.main import build_engine
+    from worker.settings import WorkerSettings
+
+    started: list[tuple[Worker, threading.Thread]] = []
+
+    def start(**overrides: object) -> Worker:
+        values: dict[str, object] = {
+            "model": tiny_model, "served_model_name": MODEL, "device": "cpu",
+            "num_kv_blocks": 1024, "max_num_seqs": 64, "waiting_buffer": 16,
+            "lease_ttl_s": 2.0, "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0,
+            "poll_interval_ms": 10, **services, **overrides,
+        }
+        settings = WorkerSettings(**values)  # type: ignore[arg-type]
+        worker = Worker(settings, build_engine(settings))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        started.append((worker, thread))
+        return worker
+
+    yield start
+    for worker, thread in started:
+        worker.stop(drain=False)
+        thread.join(30)
+
+
+def cli_env(services: dict[str, str]) -> dict[str, str]:
+    """The environment of a ``kvbatch`` subprocess talking to the test's services."""
+    return {**os.environ, "KVBATCH_REDIS_URL": services["redis_url"],
+            "KVBATCH_DATABASE_URL": services["database_url"],
+            "KVBATCH_KEY_PREFIX": services["key_prefix"], "PYTHONUNBUFFERED": "1"}

@@ -1,0 +1,109 @@
+"""The SDK against real Redis and PostgreSQL with an in-thread worker on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from jobs import AsyncClient, Client, JobFailed
+from jobs.schemas import JobStatus
+
+MODEL = "tiny"
+
+
+def test_submit_result_status(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+    start_worker()
+    job = client.submit(prompt="hello", max_tokens=6, temperature=0.0, metadata={"k": 1})
+    chat = client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                         temperature=0.0)
+    result = job.result(timeout_s=60)
+    assert len(result.token_ids) == result.usage.completion_tokens
+    assert 0 < result.usage.completion_tokens <= 6 and result.usage.prompt_tokens == 5
+    assert job.status() is JobStatus.SUCCEEDED and job.info().metadata == {"k": 1}
+    assert chat.result(timeout_s=60).usage.completion_tokens <= 4
+    # A handle made later, from the id alone, sees the same job.
+    assert client.job(job.id).result(timeout_s=1) == result
+
+
+def test_validation_before_enqueue(client: Client) -> None:
+    with pytest.raises(ValidationError):
+        client.submit(prompt="x", messages=[{"role": "user", "content": "y"}])
+    with pytest.raises(ValidationError):
+        client.submit(prompt="x", max_tokens="many")
+    with pytest.raises(ValidationError):
+        client.submit(prompt="x", no_such_param=1)
+    with pytest.raises(ValueError, match=r"row 1: .*unknown field"):
+        client.submit_batch([{"prompt": "a"}, {"prompt": "b", "colour": "red"}])
+    with pytest.raises(ValueError, match="custom_id 'a' appears more than once"):
+        client.submit_batch([{"custom_id": "a", "prompt": "a"}, {"custom_id": "a", "prompt": "b"}])
+    assert client.jobs.redis.keys(f"{client.jobs.keys.prefix}:*") == []
+    assert client.jobs.store.count_by_status() == {}
+
+
+def test_cancel_queued_and_running(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+    queued = client.submit(prompt="never runs", max_tokens=4)
+    assert queued.cancel() is JobStatus.CANCELLED
+    with pytest.raises(JobFailed) as failed:
+        queued.result(timeout_s=5)
+    assert failed.value.status is JobStatus.CANCELLED
+    assert failed.value.reason == "cancelled before it started"
+
+    start_worker()
+    long = client.submit(prompt="long", max_tokens=5000, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while long.status() is not JobStatus.RUNNING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert long.cancel() is JobStatus.RUNNING
+    with pytest.raises(JobFailed) as failed:
+        long.result(timeout_s=60)
+    assert failed.value.status is JobStatus.CANCELLED
+    assert 0 < len(failed.value.info.result.token_ids) < 5000
+
+
+def test_failed_job_carries_reason_and_timeout(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+    job = client.submit(prompt="x", max_tokens=4)
+    with pytest.raises(TimeoutError):
+        job.result(timeout_s=0.3)  # no worker yet
+    start_worker()
+    bad = client.submit(prompt="x", max_tokens=4, temperature=-1.0)  # range checked by engine
+    with pytest.raises(JobFailed, match="temperature") as failed:
+        bad.result(timeout_s=60)
+    assert failed.value.status is JobStatus.FAILED and "temperature" in failed.value.reason
+    assert job.result(timeout_s=60).usage.completion_tokens > 0
+
+
+def test_async_client_parity(services, start_worker) -> None:  # type: ignore[no-untyped-def]
+    start_worker()
+
+    async def main() -> None:
+        async with AsyncClient(model=MODEL, **services) as client:
+            jobs = [await client.submit(prompt=f"p{i}", max_tokens=4, temperature=0.0)
+                    for i in range(5)]
+            results = await asyncio.gather(*(j.result(timeout_s=60) for j in jobs))
+            assert all(r.usage.completion_tokens > 0 for r in results)
+            assert await jobs[0].status() is JobStatus.SUCCEEDED
+
+            rows = [{"custom_id": f"r{i}", "prompt": f"row {i}"} for i in range(20)]
+            batch = await client.submit_batch(rows, batch_id="abatch", max_tokens=3)
+            seen = [info.custom_id async for info in batch.results(timeout_s=60)]
+            assert sorted(seen) == sorted(r["custom_id"] for r in rows)
+            counts = await batch.wait(timeout_s=5)
+            assert counts.succeeded == 20 and counts.active == 0
+            again = await client.submit_batch(rows, batch_id="abatch", max_tokens=3)
+            assert await again.job_ids() == await batch.job_ids()
+            stats = await client.stats(batch_id="abatch")
+            assert stats.jobs == 20 and stats.generated_tokens > 0
+
+            queued = await client.submit(prompt="x", max_tokens=4, model="nobody-serves")
+            assert await queued.cancel() is JobStatus.CANCELLED
+            with pytest.raises(JobFailed):
+                await queued.result(timeout_s=5)
+            with pytest.raises(TimeoutError):
+                await (await client.submit(prompt="x", model="nobody")).result(timeout_s=0.3)
+            with pytest.raises(ValidationError):
+                await client.submit(prompt="x", top_k="all")
+
+    asyncio.run(main())
