@@ -64,10 +64,11 @@ def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
     by_batch = svc.store.expire_batches(now_s)
     jobs = [job for expired in by_batch.values() for job in expired]
     jobs += svc.store.expire_past_deadline(now_s, s.running_deadline_grace_s)
+    # Announce first: publishing a job's end clears its cancel marker.
+    svc.publish_done([(job_id, JobStatus.EXPIRED.value) for job_id, _ in jobs])
     for job_id, before in jobs:
         if before == JobStatus.RUNNING.value:
             signal_cancel(svc.redis, svc.keys, job_id)
-    svc.publish_done([(job_id, JobStatus.EXPIRED.value) for job_id, _ in jobs])
     if jobs or by_batch:
         log.info("expired %d batches and %d jobs", len(by_batch), len(jobs))
     return {"batches": sorted(by_batch), "jobs": sorted(job_id for job_id, _ in jobs)}

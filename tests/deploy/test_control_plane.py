@@ -1,0 +1,395 @@
+"""The Celery control-plane tasks, run eagerly (and once through a real worker thread) against
+the real Redis and a migrated PostgreSQL / SQLite database; each test asserts the rows."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import Engine, select, update
+from sqlalchemy.orm import Session
+
+from jobs.constants import Keys
+from jobs.models import Batch, Job, JobMetrics
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus
+from jobs.store import JobStore, Outcome
+from worker.control import batches, ops
+from worker.control.app import make_app
+from worker.control.settings import ControlSettings
+
+MODEL = "m"
+DAY_S = 86400.0
+
+
+def settings_for(keys: Keys, database_url: str, **overrides: Any) -> ControlSettings:
+    from conftest import REDIS_URL  # tests/deploy/conftest.py
+
+    values: dict[str, Any] = {"redis_url": REDIS_URL, "database_url": database_url,
+                              "key_prefix": keys.prefix, "batch_settle_s": 0.0,
+                              "webhook_timeout_s": 5.0, "webhook_backoff_s": 30.0}
+    values.update(overrides)
+    return ControlSettings(**values)
+
+
+@pytest.fixture
+def control(keys: Keys, sql_engine: Engine) -> Iterator:  # type: ignore[type-arg]
+    """``control(**settings)``: an eager control app on the test's Redis prefix and database."""
+    apps = []
+
+    def make(**overrides: Any):  # type: ignore[no-untyped-def]
+        app = make_app(settings_for(keys, str(sql_engine.url.render_as_string(False)),
+                                    **overrides))
+        app.conf.update(task_always_eager=True, task_eager_propagates=True)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.kvbatch_services.close()
+
+
+def task(app, name: str) -> Any:  # type: ignore[no-untyped-def]
+    return app.tasks[f"kvbatch.control.{name}"]
+
+
+def submit(store: JobStore, n: int, batch_id: str | None = None, prefix: str = "j",
+           deadline: datetime | None = None, submitted_at: float | None = None) -> list[str]:
+    specs = [JobSpec(id=f"{prefix}{i}", batch_id=batch_id, custom_id=f"row-{i}", model=MODEL,
+                     prompt=f"prompt {i}", deadline=deadline,
+                     submitted_at=submitted_at or time.time() - 60)
+             for i in range(n)]
+    store.insert_jobs(specs)
+    return [s.id for s in specs]
+
+
+def succeed(store: JobStore, job_id: str, finished_at: float | None = None) -> None:
+    result = JobResult(text=f"answer {job_id}", token_ids=[1, 2, 3], finish_reason="stop")
+    stats = JobStats(e2e_s=0.5, prompt_tokens=4, generated_tokens=3)
+    store.finish([Outcome(job_id, JobStatus.SUCCEEDED, finished_at or time.time(),
+                          result=result, stats=stats)])
+
+
+def rows(engine: Engine, *ids: str) -> dict[str, Job]:
+    with Session(engine) as session:
+        return {j.id: j for j in session.scalars(select(Job).where(Job.id.in_(ids)))}
+
+
+def batch_row(engine: Engine, batch_id: str) -> Batch:
+    with Session(engine) as session:
+        b = session.get(Batch, batch_id)
+        assert b is not None
+        session.expunge(b)
+        return b
+
+
+# -- deadlines ---------------------------------------------------------------------------------
+
+def test_expire_deadlines_expires_batches_and_jobs_once(control, sql_engine: Engine,
+                                                        redis_client: redis.Redis,
+                                                        keys: Keys) -> None:
+    app = control(running_deadline_grace_s=60.0)
+    store = JobStore(sql_engine)
+    now = time.time()
+    past = datetime.now(UTC) - timedelta(seconds=10)
+    long_past = datetime.now(UTC) - timedelta(seconds=600)
+    # A batch past its own deadline: queued, running and finished jobs.
+    b_ids = submit(store, 3, batch_id="b1", prefix="b1-")
+    batches.configure(sql_engine, "b1", deadline_s=now - 1)
+    store.begin_deliveries(["b1-1"], "w1", max_deliveries=3, now_s=now)
+    succeed(store, "b1-2")
+    # A batch whose deadline is still ahead is left alone.
+    submit(store, 1, batch_id="b2", prefix="b2-")
+    batches.configure(sql_engine, "b2", deadline_s=now + 3600)
+    # Jobs past their own deadline: queued, running beyond the grace, running within it.
+    submit(store, 1, prefix="q-", deadline=past)
+    submit(store, 1, prefix="late-", deadline=long_past)
+    submit(store, 1, prefix="fresh-", deadline=past)
+    store.begin_deliveries(["late-0", "fresh-0"], "w1", max_deliveries=3, now_s=now - 700)
+
+    report = task(app, "expire_deadlines").delay().get()
+
+    assert report == {"batches": ["b1"], "jobs": ["b1-0", "b1-1", "late-0", "q-0"]}
+    got = rows(sql_engine, *b_ids, "b2-0", "q-0", "late-0", "fresh-0")
+    assert {k: v.status for k, v in got.items()} == {
+        "b1-0": "expired", "b1-1": "expired", "b1-2": "succeeded", "b2-0": "queued",
+        "q-0": "expired", "late-0": "expired", "fresh-0": "running",
+    }
+    assert got["b1-0"].error == "batch deadline passed"
+    assert "while running" in (got["late-0"].error or "")
+    assert batch_row(sql_engine, "b1").status == "expired"
+    assert batch_row(sql_engine, "b2").status == "in_progress"
+    with Session(sql_engine) as session:  # exactly one metrics row per terminal job
+        assert len(session.scalars(select(JobMetrics.job_id)).all()) == 5
+    # Running jobs are told to stop; every expired job is announced to waiters.
+    assert redis_client.exists(keys.cancel("b1-1"), keys.cancel("late-0")) == 2
+    assert not redis_client.exists(keys.cancel("b1-0"))
+    assert redis_client.get(keys.done("q-0")) == "expired"
+
+    finished = {k: v.finished_at for k, v in got.items()}
+    assert task(app, "expire_deadlines").delay().get() == {"batches": [], "jobs": []}
+    again = rows(sql_engine, *finished)
+    assert {k: v.finished_at for k, v in again.items()} == finished
+
+
+# -- batch finalization ------------------------------------------------------------------------
+
+class Hook:
+    """A webhook receiver on a local port answering with the queued status codes (then 200)."""
+
+    def __init__(self, codes: list[int] | None = None) -> None:
+        self.codes = list(codes or [])
+        self.requests: list[tuple[dict[str, str], bytes]] = []
+        hook = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                hook.requests.append((dict(self.headers), body))
+                self.send_response(hook.codes.pop(0) if hook.codes else 200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(body) for _, body in self.requests]
+
+
+@pytest.fixture
+def hook() -> Iterator:  # type: ignore[type-arg]
+    hooks: list[Hook] = []
+
+    def make(codes: list[int] | None = None) -> Hook:
+        hooks.append(Hook(codes))
+        return hooks[-1]
+
+    yield make
+    for h in hooks:
+        h.server.shutdown()
+        h.server.server_close()
+
+
+def subscribe(redis_client: redis.Redis, keys: Keys):  # type: ignore[no-untyped-def]
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(keys.batch_done_channel())
+    assert pubsub.get_message(timeout=5)["type"] == "subscribe"
+    return pubsub
+
+
+def messages(pubsub) -> list[dict[str, Any]]:  # type: ignore[no-untyped-def]
+    out = []
+    while (msg := pubsub.get_message(timeout=0.2)) is not None:
+        out.append(json.loads(msg["data"]))
+    return out
+
+
+def test_finalize_completes_exports_publishes_and_posts_once(
+        control, sql_engine: Engine, redis_client: redis.Redis, keys: Keys, hook,
+        tmp_path: Path) -> None:
+    receiver = hook()
+    app = control(export_dir=str(tmp_path / "out"), webhook_secret="s3cret")
+    store = JobStore(sql_engine)
+    ids = submit(store, 3, batch_id="done", prefix="d-")
+    batches.configure(sql_engine, "done", webhook_url=receiver.url)
+    succeed(store, ids[0])
+    succeed(store, ids[1])
+    store.finish([Outcome(ids[2], JobStatus.FAILED, time.time(), error="rejected: too long")])
+    submit(store, 2, batch_id="open", prefix="o-")  # one job still queued
+    succeed(store, "o-0")
+    pubsub = subscribe(redis_client, keys)
+
+    assert task(app, "finalize_batches").delay().get() == ["done"]
+
+    b = batch_row(sql_engine, "done")
+    assert (b.status, b.webhook_attempts, b.webhook_error) == ("completed", 1, None)
+    assert b.completed_at is not None and b.notified_at is not None
+    assert batch_row(sql_engine, "open").status == "in_progress"
+    # The results file: every job of the batch as JobInfo JSON, by id.
+    lines = [json.loads(line) for line in Path(b.results_path).read_text().splitlines()]
+    assert b.results_path == str(tmp_path / "out" / "done.jsonl")
+    assert [(x["id"], x["custom_id"], x["status"]) for x in lines] == [
+        ("d-0", "row-0", "succeeded"), ("d-1", "row-1", "succeeded"), ("d-2", "row-2", "failed")]
+    assert lines[0]["result"]["text"] == "answer d-0" and lines[2]["error"] == "rejected: too long"
+    # One event on Redis and one signed POST, with the same content.
+    expected = {"type": "batch.completed", "batch_id": "done", "model": MODEL,
+                "status": "completed", "num_jobs": 3, "counts": {"failed": 1, "succeeded": 2},
+                "completed_at": b.completed_at.isoformat() if b.completed_at.tzinfo else
+                b.completed_at.replace(tzinfo=UTC).isoformat(),
+                "results_path": b.results_path}
+    assert messages(pubsub) == [expected]
+    assert redis_client.get(keys.batch_done("done")) == "completed"
+    assert receiver.events() == [expected]
+    headers, body = receiver.requests[0]
+    signature = hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
+    assert headers["X-Kvbatch-Signature"] == f"sha256={signature}"
+    assert headers["Idempotency-Key"] == "done"
+
+    # Idempotent: nothing is due any more, and a direct re-run of the batch does nothing.
+    assert task(app, "finalize_batches").delay().get() == []
+    assert task(app, "finalize_batch").delay("done").get() == "skipped"
+    assert len(receiver.requests) == 1 and messages(pubsub) == []
+    pubsub.close()
+
+
+def test_batch_waits_until_no_job_was_added_for_the_settle_time(control,
+                                                                sql_engine: Engine) -> None:
+    app = control(batch_settle_s=300.0)
+    store = JobStore(sql_engine)
+    ids = submit(store, 2, batch_id="chunked", submitted_at=time.time() - 10)
+    for job_id in ids:
+        succeed(store, job_id)
+    assert task(app, "finalize_batches").delay().get() == []
+    assert batch_row(sql_engine, "chunked").status == "in_progress"
+
+
+def test_webhook_is_retried_with_backoff_then_delivered(control, sql_engine: Engine,
+                                                        redis_client: redis.Redis, keys: Keys,
+                                                        hook) -> None:
+    receiver = hook([500, 503])
+    app = control(webhook_url=receiver.url, webhook_backoff_s=30.0, webhook_max_attempts=5)
+    store = JobStore(sql_engine)
+    succeed(store, submit(store, 1, batch_id="flaky")[0])
+    svc = app.kvbatch_services.get()
+    pubsub = subscribe(redis_client, keys)
+    now = time.time()
+
+    assert ops.complete_batches(svc, now) == ["flaky"]
+    assert ops.finalize_batch(svc, "flaky", now) == "retry"
+    b = batch_row(sql_engine, "flaky")
+    assert (b.webhook_attempts, b.webhook_error, b.notified_at) == (1, "HTTP 500", None)
+    next_at = b.webhook_next_at.replace(tzinfo=UTC).timestamp()
+    assert next_at == pytest.approx(now + 30.0, abs=1.0)
+    # Not due yet: neither listed nor attempted.
+    assert ops.complete_batches(svc, now + 10) == []
+    assert ops.finalize_batch(svc, "flaky", now + 10) == "skipped"
+    assert ops.finalize_batch(svc, "flaky", now + 31) == "retry"
+    b = batch_row(sql_engine, "flaky")
+    assert b.webhook_next_at.replace(tzinfo=UTC).timestamp() == pytest.approx(now + 91, abs=1.0)
+    assert ops.complete_batches(svc, now + 92) == ["flaky"]
+    assert ops.finalize_batch(svc, "flaky", now + 92) == "notified"
+    b = batch_row(sql_engine, "flaky")
+    assert (b.webhook_attempts, b.webhook_error, b.webhook_next_at) == (3, None, None)
+    assert b.notified_at is not None
+    assert len(receiver.requests) == 3
+    assert len(messages(pubsub)) == 1  # the Redis event is not repeated with the retries
+    pubsub.close()
+
+
+def test_webhook_gives_up_after_max_attempts(control, sql_engine: Engine, hook) -> None:
+    receiver = hook([500] * 10)
+    app = control(webhook_url=receiver.url, webhook_max_attempts=2, webhook_backoff_s=1.0)
+    store = JobStore(sql_engine)
+    succeed(store, submit(store, 1, batch_id="dead")[0])
+    svc = app.kvbatch_services.get()
+    now = time.time()
+    ops.complete_batches(svc, now)
+    assert ops.finalize_batch(svc, "dead", now) == "retry"
+    assert ops.finalize_batch(svc, "dead", now + 5) == "gave-up"
+    b = batch_row(sql_engine, "dead")
+    assert (b.webhook_attempts, b.webhook_error) == (2, "HTTP 500")
+    assert b.notified_at is not None
+    assert ops.finalize_batch(svc, "dead", now + 100) == "skipped"
+    assert len(receiver.requests) == 2
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+def test_purge_drops_old_results_then_old_rows(control, sql_engine: Engine) -> None:
+    app = control(results_retention_days=30.0, jobs_retention_days=90.0, purge_chunk=2)
+    store = JobStore(sql_engine)
+    now = time.time()
+    submit(store, 5, prefix="p-", submitted_at=now - 100 * DAY_S)
+    for i, age_days in enumerate([100, 95, 40, 35, 1]):
+        succeed(store, f"p-{i}", finished_at=now - age_days * DAY_S)
+
+    assert task(app, "purge_results").delay().get() == {"results_purged": 4, "jobs_deleted": 2}
+
+    got = rows(sql_engine, *(f"p-{i}" for i in range(5)))
+    assert sorted(got) == ["p-2", "p-3", "p-4"]
+    assert [(got[j].text, got[j].token_ids) for j in ("p-2", "p-3")] == [(None, None)] * 2
+    assert (got["p-4"].text, got["p-4"].token_ids) == ("answer p-4", [1, 2, 3])
+    with Session(sql_engine) as session:
+        kept = set(session.scalars(select(JobMetrics.job_id)))
+    assert kept == {"p-2", "p-3", "p-4"}  # stats stay for the dashboards
+    assert task(app, "purge_results").delay().get() == {"results_purged": 0, "jobs_deleted": 0}
+
+
+# -- reaper ------------------------------------------------------------------------------------
+
+def test_reaper_fails_jobs_past_the_delivery_limit_on_no_live_worker(
+        control, sql_engine: Engine, redis_client: redis.Redis, keys: Keys) -> None:
+    app = control(max_deliveries=3)
+    store = JobStore(sql_engine)
+    ids = submit(store, 5, prefix="r-")
+    now = time.time()
+    store.begin_deliveries(["r-1", "r-3"], "dead-worker", max_deliveries=3, now_s=now)
+    store.begin_deliveries(["r-2"], "live-worker", max_deliveries=3, now_s=now)
+    redis_client.hset(keys.workers(), mapping={"dead-worker": MODEL, "live-worker": MODEL})
+    redis_client.set(keys.heartbeat("live-worker"), MODEL, px=60_000)
+    with Session(sql_engine) as session, session.begin():
+        session.execute(update(Job).where(Job.id.in_(["r-0", "r-1", "r-2"])).values(attempts=3))
+
+    assert task(app, "reap_jobs").delay().get() == ["r-0", "r-1"]
+
+    got = rows(sql_engine, *ids)
+    assert {k: v.status for k, v in got.items()} == {
+        "r-0": "failed", "r-1": "failed", "r-2": "running", "r-3": "running", "r-4": "queued"}
+    assert got["r-1"].error.startswith("dead-lettered: delivered 3 times (limit 3)")
+    dead = redis_client.xrange(keys.dead_letter(MODEL))
+    assert sorted(fields["id"] for _, fields in dead) == ["r-0", "r-1"]
+    assert json.loads(dead[0][1]["job"])["model"] == MODEL
+    assert redis_client.get(keys.done("r-0")) == "failed"
+
+    assert task(app, "reap_jobs").delay().get() == []
+    assert len(redis_client.xrange(keys.dead_letter(MODEL))) == 2
+
+
+# -- the app -----------------------------------------------------------------------------------
+
+def test_app_is_json_only_acks_late_and_schedules_every_task(keys: Keys) -> None:
+    app = make_app(settings_for(keys, "sqlite://"))
+    conf = app.conf
+    assert conf.accept_content == ["json"] and conf.result_accept_content == ["json"]
+    assert conf.task_serializer == conf.result_serializer == conf.event_serializer == "json"
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost
+    assert conf.beat_scheduler == "celery.beat:Scheduler"  # no shelve (pickle) file
+    assert conf.broker_transport_options["global_keyprefix"] == f"{keys.prefix}:celery:"
+    scheduled = {entry["task"] for entry in conf.beat_schedule.values()}
+    assert scheduled == {f"kvbatch.control.{n}" for n in
+                         ("expire_deadlines", "finalize_batches", "reap_jobs", "purge_results")}
+    assert scheduled <= set(app.tasks)
+
+
+def test_tasks_travel_through_redis_to_a_real_worker(keys: Keys, pg_engine: Engine,
+                                                     pg_url: str, hook) -> None:
+    """JSON over the real broker: the beat task reaches a worker thread, which finalizes the
+    batch and fans out finalize_batch through Redis too."""
+    from celery.contrib.testing.worker import start_worker
+
+    receiver = hook()
+    app = make_app(settings_for(keys, pg_url, webhook_url=receiver.url))
+    store = JobStore(pg_engine)
+    succeed(store, submit(store, 1, batch_id="live")[0])
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        app.tasks["kvbatch.control.finalize_batches"].delay()
+        deadline = time.monotonic() + 30
+        while batch_row(pg_engine, "live").notified_at is None:
+            assert time.monotonic() < deadline, "batch not finalized by the worker"
+            time.sleep(0.1)
+    assert batch_row(pg_engine, "live").status == "completed"
+    assert [e["batch_id"] for e in receiver.events()] == ["live"]
+    app.kvbatch_services.close()
