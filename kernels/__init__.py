@@ -1,8 +1,10 @@
 """Paged-KV attention ops and the one place that picks their implementation.
 
-``torch`` is the reference in ``kernels/reference.py`` (the CPU path); ``triton`` runs the
+``torch`` is the reference in ``kernels/reference.py`` (eager, the spec); ``inductor`` is the
+same maths fused by ``torch.compile`` for the CPU (``kernels/cpu.py``); ``triton`` runs the
 Triton kernels (the CUDA path, or the CPU under ``TRITON_INTERPRET=1`` for tests). ``auto``
-picks Triton on CUDA and torch elsewhere; ``KVBATCH_ATTENTION_BACKEND`` overrides the choice.
+picks Triton on CUDA and inductor elsewhere; ``KVBATCH_ATTENTION_BACKEND`` overrides the
+choice.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from kernels import reference
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "inductor", "triton")
 BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
 
 
@@ -30,23 +32,32 @@ class AttentionOps:
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """Return ``torch`` or ``triton`` for a requested backend (``auto``/``torch``/``triton``)."""
+    """Resolve a requested backend (one of ``BACKENDS``) to the one that runs."""
     choice = os.environ.get(BACKEND_ENV) or requested
     if choice not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "inductor"
     return choice
 
 
 def get_ops(backend: str) -> AttentionOps:
-    """The ops of a resolved backend (``torch`` or ``triton``)."""
+    """The ops of a resolved backend (``torch``, ``inductor`` or ``triton``)."""
     if backend == "torch":
         return AttentionOps(
             name="torch",
             reshape_and_cache=reference.reshape_and_cache,
             decode=reference.paged_attention_decode,
             prefill=reference.paged_attention_prefill,
+        )
+    if backend == "inductor":
+        from kernels import cpu
+
+        return AttentionOps(
+            name="inductor",
+            reshape_and_cache=cpu.reshape_and_cache,
+            decode=cpu.paged_attention_decode,
+            prefill=cpu.paged_attention_prefill,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).

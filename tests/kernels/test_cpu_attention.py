@@ -1,0 +1,51 @@
+"""The inductor CPU ops (kernels/cpu.py) against the reference on awkward paged batches."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import cpu, reference
+
+# (seq_len, q_len) per sequence.
+DECODE_SEQS = [(1, 1), (15, 1), (16, 1), (17, 1), (333, 1), (40, 1)]
+PREFILL_SEQS = [(1, 1), (15, 15), (16, 16), (17, 17), (333, 77), (40, 1), (150, 150), (9, 0)]
+SHAPES = [
+    pytest.param(d, bs, h, id=f"d{d}-bs{bs}-h{h[0]}kv{h[1]}")
+    for d, bs, h in itertools.product([64, 80, 13], [16, 32], [(4, 4), (9, 3), (8, 1)])
+]
+
+
+def _args(batch, decode: bool) -> tuple:
+    if decode:
+        return (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                batch.seq_lens, batch.query.shape[2] ** -0.5)
+    return (batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+            batch.query_start_loc, batch.seq_lens, batch.query.shape[2] ** -0.5)
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "heads"), SHAPES)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_fp32_matches_reference(paged_batch, assert_matches, head_dim, block_size, heads,
+                                decode) -> None:
+    batch = paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=heads[0],
+                        num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size)
+    args = _args(batch, decode)
+    if decode:
+        assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+    else:
+        out = cpu.paged_attention_prefill(*args)
+        assert_matches(out, reference.paged_attention_prefill(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, decode) -> None:
+    batch = paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=9, num_kv_heads=3,
+                        head_dim=64, block_size=16, dtype=dtype)
+    args = _args(batch, decode)
+    op = cpu.paged_attention_decode if decode else cpu.paged_attention_prefill
+    ref = reference.paged_attention_decode if decode else reference.paged_attention_prefill
+    assert_matches(op(*args), ref(*args))
