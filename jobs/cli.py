@@ -7,12 +7,6 @@ import sys
 from collections.abc import Sequence
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from engine.demo import run_demo
-
-    return run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
-
-
 def _bench(bench_args: list[str]) -> int:
     import runpy
     from pathlib import Path
@@ -65,11 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="generate for a few built-in prompts on embedded defaults")
-    demo.add_argument("--model", default="smollm2-135m-instruct")
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    demo.add_argument("--max-tokens", type=int, default=48)
-    demo.set_defaults(func=_demo)
+    from jobs.commands import add_commands
+    from jobs.demo import add_demo_command
+
+    add_demo_command(sub)
+    add_commands(sub)
 
     # Arguments after `bench` go to bench/throughput.py untouched (see main).
     sub.add_parser("bench", help="engine vs transformers throughput (bench/throughput.py)")

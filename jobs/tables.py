@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobs.stats import Stats
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -36,3 +39,39 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def format_stats(stats: Stats) -> str:
+    """Aggregate statistics as a two-column table."""
+    def pct(p: dict[str, float | None]) -> str:
+        return " / ".join("-" if v is None else f"{v:.2f}" for v in p.values())
+
+    status = ", ".join(f"{n} {s}" for s, n in sorted(stats.by_status.items())) or "none"
+    rows = [
+        ("jobs", f"{stats.jobs} ({status})"),
+        ("prompt tokens", f"{stats.prompt_tokens} ({stats.cached_prompt_tokens} from the "
+                          f"prefix cache, hit rate {stats.prefix_cache_hit_rate:.0%})"),
+        ("generated tokens", str(stats.generated_tokens)),
+        ("wall time", f"{stats.wall_s:.1f} s (first submission to last finish)"),
+        ("throughput", f"{stats.output_tokens_per_s:.1f} output tok/s, "
+                       f"{stats.total_tokens_per_s:.1f} total tok/s"),
+        ("e2e latency p50/p90/p99", pct(stats.e2e_s) + " s"),
+        ("ttft p50/p90/p99", pct(stats.ttft_s) + " s"),
+        ("queue wait p50/p90/p99", pct(stats.queue_wait_s) + " s"),
+        ("peak KV memory (one job)", human_bytes(stats.peak_kv_bytes)),
+        ("preemptions", str(stats.preemptions)),
+    ]
+    return format_table(("metric", "value"), rows)
+
+
+JOB_COLUMNS = (("custom_id", "custom_id"), ("status", "status"), ("queue_wait_s", "wait s"),
+               ("ttft_s", "ttft s"), ("e2e_s", "e2e s"), ("prompt_tokens", "prompt"),
+               ("cached_prompt_tokens", "cached"), ("generated_tokens", "generated"),
+               ("peak_kv_blocks", "KV blocks"), ("peak_kv_bytes", "peak KV"))
+
+
+def format_job_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """Per-job rows of the ``job_stats`` view (see ``jobs.stats.job_stats_rows``)."""
+    cells = [[human_bytes(r[k]) if k == "peak_kv_bytes" else r[k] for k, _ in JOB_COLUMNS]
+             for r in rows]
+    return format_table([h for _, h in JOB_COLUMNS], cells)

@@ -1,0 +1,160 @@
+"""``kvbatch submit``: a dataset file through the queue into a results file, resumably.
+
+Resume rests on two keys. The output file: rows whose ``custom_id`` is already written are
+not submitted or written again. The batch id (derived from the input and output paths
+unless given): rows the batch already holds in SQL are not enqueued again, only followed,
+so re-running the same command after an interruption writes the missing rows and reruns
+nothing, whether those rows finished meanwhile or are still queued.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from jobs.rows import Row, RowKind, output_line, parse_row
+from jobs.schemas import JobInfo, JobStatus
+from jobs.sdk import Client
+
+
+@dataclass(frozen=True)
+class BulkOptions:
+    """One ``kvbatch submit`` run.
+
+    Args:
+        output: results file (JSON lines), appended to.
+        errors: file for rows that did not succeed; None writes them inline in ``output``.
+        batch_id: the batch; keep it to resume.
+        model: served model name for every row.
+        system_prompt: prepended to rows without a system message.
+        defaults: sampling fields for rows that do not set them.
+        priority: default priority.
+        progress: show a progress bar (on stderr).
+    """
+
+    output: Path
+    errors: Path | None
+    batch_id: str
+    model: str
+    system_prompt: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0
+    progress: bool = True
+
+
+@dataclass
+class RunTally:
+    """What this run wrote."""
+
+    written: int = 0
+    failed: int = 0
+    generated_tokens: int = 0
+    skipped: int = 0  # already in the output before the run
+    started: float = field(default_factory=time.monotonic)
+
+
+def default_batch_id(input_path: Path, output: Path) -> str:
+    """A batch id that is the same each time the same command runs."""
+    key = f"{input_path.resolve()}\n{output.resolve()}"
+    return "ds-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def read_rows(path: Path) -> list[Row]:
+    """Rows of a JSONL file (plain or OpenAI batch rows) or of a CSV file (a header with
+    ``prompt``, optionally ``custom_id`` and sampling columns). ``ValueError`` names the line
+    of the first bad row."""
+    rows: list[Row] = []
+    with path.open(newline="" if path.suffix == ".csv" else None) as f:
+        records: Iterable[tuple[int, Any]]
+        if path.suffix == ".csv":
+            records = ((i + 2, {k: v for k, v in rec.items() if v not in ("", None)})
+                       for i, rec in enumerate(csv.DictReader(f)))
+        else:
+            records = ((i + 1, line) for i, line in enumerate(f) if line.strip())
+        for line_no, record in records:
+            try:
+                obj = json.loads(record) if isinstance(record, str) else record
+                rows.append(parse_row(obj, len(rows)))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{line_no}: {exc}") from exc
+    return rows
+
+
+class OutputFiles:
+    """Result lines appended as jobs finish, flushed line by line.
+
+    On opening, the ``custom_id`` of every complete line already in the files is read; a
+    partial last line (the run was killed while writing it) is cut off.
+    """
+
+    def __init__(self, output: Path, errors: Path | None) -> None:
+        self.done: set[str] = set()
+        self._out = self._open(output)
+        self._err = self._open(errors) if errors is not None else self._out
+
+    def _open(self, path: Path) -> IO[str]:
+        if path.exists():
+            data = path.read_bytes()
+            complete = data[: data.rfind(b"\n") + 1]
+            if len(complete) != len(data):
+                path.write_bytes(complete)
+            for line in complete.decode().splitlines():
+                if line.strip():
+                    self.done.add(str(json.loads(line)["custom_id"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a")
+
+    def write(self, kind: RowKind, info: JobInfo) -> None:
+        f = self._out if info.status is JobStatus.SUCCEEDED else self._err
+        f.write(json.dumps(output_line(kind, info), ensure_ascii=False) + "\n")
+        f.flush()
+        self.done.add(str(info.custom_id))
+
+    def close(self) -> None:
+        self._out.close()
+        self._err.close()
+
+
+def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
+    """Submit the rows not yet in the output and write each result as it completes.
+
+    Interrupting it (Ctrl-C, a kill) loses nothing: jobs keep running on the workers, and
+    the next run with the same options writes what is missing.
+    """
+    files = OutputFiles(opts.output, opts.errors)
+    tally = RunTally()
+    try:
+        todo = [r for r in rows if r.custom_id not in files.done]
+        tally.skipped = len(rows) - len(todo)
+        batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
+                                    system_prompt=opts.system_prompt, priority=opts.priority,
+                                    **opts.defaults)
+        kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
+        whole = len(kinds) == len(batch.job_ids)
+        with _progress(len(rows), tally.skipped, opts.progress) as bar:
+            for info in client.jobs.follow(list(kinds), batch_id=batch.id if whole else None):
+                files.write(kinds[info.id], info)
+                tally.written += 1
+                tally.failed += info.status is not JobStatus.SUCCEEDED
+                tally.generated_tokens += info.stats.generated_tokens if info.stats else 0
+                bar.update(1)
+                elapsed = max(time.monotonic() - tally.started, 1e-9)
+                bar.set_postfix(failed=tally.failed,
+                                tok_s=f"{tally.generated_tokens / elapsed:.1f}", refresh=False)
+    finally:
+        files.close()
+    return tally
+
+
+def _progress(total: int, initial: int, enabled: bool):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="row", desc="rows", file=sys.stderr,
+                disable=not enabled, dynamic_ncols=True, smoothing=0.1)

@@ -1,0 +1,172 @@
+"""The producer subcommands of ``kvbatch``: ``submit``, ``status``, ``cancel``, ``stats``.
+
+Connection flags default to ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
+``KVBATCH_KEY_PREFIX``, like the SDK and the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from jobs.constants import DEFAULT_MODEL
+from jobs.sdk import Client
+from jobs.tables import format_stats, format_table
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register the producer subcommands on the ``kvbatch`` parser."""
+    submit = sub.add_parser(
+        "submit", help="run a dataset (JSONL, plain or OpenAI batch rows; or CSV) into a "
+                       "results file; re-run the same command to resume")
+    submit.add_argument("input", type=Path)
+    submit.add_argument("-o", "--output", type=Path, required=True, help="results (JSONL)")
+    submit.add_argument("-e", "--errors", default="inline",
+                        help="file for rows that did not succeed, or 'inline' (default)")
+    submit.add_argument("--model", default=DEFAULT_MODEL, help="served model for every row")
+    submit.add_argument("--system-prompt", help="prepended to rows without a system message")
+    submit.add_argument("--max-tokens", type=int, help="default for rows that set none")
+    submit.add_argument("--temperature", type=float, help="default for rows that set none")
+    submit.add_argument("--top-p", type=float, help="default for rows that set none")
+    submit.add_argument("--seed", type=int, help="default for rows that set none")
+    submit.add_argument("--priority", type=int, default=0, help="lower runs first")
+    submit.add_argument("--batch-id", help="default: derived from the input and output paths")
+    submit.add_argument("--no-progress", dest="progress", action="store_false")
+    _connection_arguments(submit)
+    submit.set_defaults(func=_submit)
+
+    status = sub.add_parser("status", help="counts and statistics of a batch, or one job")
+    status.add_argument("id", help="a batch id or a job id")
+    _connection_arguments(status)
+    status.set_defaults(func=_status)
+
+    cancel = sub.add_parser("cancel", help="cancel a job, or every unfinished job of a batch")
+    cancel.add_argument("id", help="a job id or a batch id")
+    _connection_arguments(cancel)
+    cancel.set_defaults(func=_cancel)
+
+    stats = sub.add_parser("stats", help="aggregate statistics of finished jobs")
+    stats.add_argument("--batch", help="only this batch")
+    stats.add_argument("--since", type=_since,
+                       help="only jobs finished since: a duration (30m, 2h, 1d) or ISO time")
+    _connection_arguments(stats)
+    stats.set_defaults(func=_stats)
+
+
+def _connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="default $KVBATCH_REDIS_URL, else local Redis")
+    parser.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
+                                               "sqlite:///kvbatch.db")
+    parser.add_argument("--key-prefix", help="default $KVBATCH_KEY_PREFIX, else kvbatch")
+
+
+def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
+    return Client(args.redis_url, args.database_url, key_prefix=args.key_prefix, model=model)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from jobs.bulk import BulkOptions, default_batch_id, read_rows, run_bulk
+
+    try:
+        rows = read_rows(args.input)
+    except (OSError, ValueError) as exc:
+        print(f"kvbatch submit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    defaults = {k: v for k, v in (("max_tokens", args.max_tokens),
+                                  ("temperature", args.temperature), ("top_p", args.top_p),
+                                  ("seed", args.seed)) if v is not None}
+    opts = BulkOptions(
+        output=args.output, errors=None if args.errors == "inline" else Path(args.errors),
+        batch_id=args.batch_id or default_batch_id(args.input, args.output), model=args.model,
+        system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
+        progress=args.progress,
+    )
+    print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
+    with _client(args, args.model) as client:
+        try:
+            tally = run_bulk(client, rows, opts)
+        except ValueError as exc:
+            print(f"kvbatch submit: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("\ninterrupted: the jobs keep running; run the same command again to "
+                  "resume", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        elapsed = time.monotonic() - tally.started
+        print(f"\n{tally.written} rows written in {elapsed:.1f} s ({tally.failed} did not "
+              f"succeed), {tally.skipped} were already in {opts.output}")
+        print(format_stats(client.stats(batch_id=opts.batch_id)))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        counts = client.jobs.store.count_by_status(batch_id=args.id)
+        if counts:
+            rows = [(s.value, n) for s, n in sorted(counts.items())]
+            print(f"batch {args.id}")
+            print(format_table(("status", "jobs"), [*rows, ("total", sum(counts.values()))]))
+            print()
+            print(format_stats(client.stats(batch_id=args.id)))
+            return 0
+        info = client.jobs.get(args.id)
+        if info is None:
+            print(f"kvbatch status: no batch or job {args.id!r}", file=sys.stderr)
+            return 1
+        stats = info.stats
+        fields = [("job", info.id), ("batch", info.batch_id), ("custom_id", info.custom_id),
+                  ("model", info.model), ("status", info.status.value),
+                  ("attempts", info.attempts), ("worker", info.worker_id),
+                  ("created", info.created_at), ("finished", info.finished_at),
+                  ("error", info.error),
+                  ("tokens (prompt/cached/generated)",
+                   f"{stats.prompt_tokens}/{stats.cached_prompt_tokens}/"
+                   f"{stats.generated_tokens}" if stats else None),
+                  ("e2e s", stats.e2e_s if stats else None)]
+        print(format_table(("field", "value"), [(k, "-" if v is None else str(v))
+                                                for k, v in fields]))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if client.jobs.store.count_by_status(batch_id=args.id):
+            n = client.batch(args.id).cancel()
+            print(f"batch {args.id}: {n} unfinished jobs cancelled or asked to stop")
+            return 0
+        status = client.jobs.cancel(args.id)
+        if status is None:
+            print(f"kvbatch cancel: no batch or job {args.id!r}", file=sys.stderr)
+            return 1
+        print(f"job {args.id}: {status.value}"
+              + (" (its worker is asked to stop it)" if status.value == "running" else ""))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(format_stats(client.stats(batch_id=args.batch, since=args.since)))
+    return 0
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _since(value: str) -> timedelta | datetime:
+    match = _DURATION.match(value)
+    if match:
+        return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a duration (30m, 2h) or ISO time: {value!r}") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
