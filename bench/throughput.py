@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="where to write the JSON (default bench/out/)")
     parser.add_argument("--no-results-md", action="store_true", help="don't append RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -326,11 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows))
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H%M%SZ")
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    out = OUT_DIR / f"throughput-{stamp}.json"
+    out = args.json or OUT_DIR / f"throughput-{stamp}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "date": stamp, "machine": machine(), "args": vars(args), "matmul_peak_flops": peak,
-        "rows": rows, "raw": raw,
+        "date": stamp, "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+        "matmul_peak_flops": peak, "rows": rows, "raw": raw,
     }, indent=2))
     print(f"\nwrote {out}")
     if not args.no_results_md:
@@ -342,7 +343,7 @@ def append_results(rows: list[dict], args: argparse.Namespace, peak: float) -> N
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/throughput.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if k != "no_results_md"
+        for k, v in vars(args).items() if k not in ("no_results_md", "json")
     )
     with RESULTS_MD.open("a") as f:
         f.write(f"\n### {date} — throughput ({args.dtype})\n\n{machine()}; matmul peak "

@@ -1,0 +1,37 @@
+"""bench/throughput.py end to end on a tiny model: both systems produce the same useful
+tokens, and the table, JSON and ratios are there (timings themselves are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_throughput_bench_runs_on_a_tiny_model(tiny_model: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(sys, "argv", [
+        "throughput.py", "--model", str(tiny_model), "--dtype", "float32", "--num-requests",
+        "6", "--max-output", "8", "--batch-size", "4", "--workloads", "shared-prefix",
+        "long-tail", "--json", str(out), "--no-results-md",
+    ])
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "bench" / "throughput.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    report = json.loads(out.read_text())
+    for entry in report["raw"]:
+        ours, base = entry["kvbatch"], entry["transformers"]
+        assert ours["useful_tokens"] == base["useful_tokens"] > 0
+        assert ours["model_flops"] == base["model_flops"] > 0
+        assert 0 < ours["kv_real_bytes"] <= ours["kv_allocated_bytes"]
+    shared = next(e for e in report["raw"] if e["workload"] == "shared-prefix")
+    assert shared["kvbatch"]["prefix_hit_rate"] > 0.5
+    assert "vs transformers" in capsys.readouterr().out
