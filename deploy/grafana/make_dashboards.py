@@ -1,0 +1,215 @@
+"""Writes the Grafana dashboards in ``deploy/grafana/dashboards/`` (run it after editing here;
+tests/deploy checks that the committed JSON is what this produces, and that every query names
+a metric the worker exports or runs against the real ``job_stats`` view).
+
+    python deploy/grafana/make_dashboards.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+PROM = {"type": "prometheus", "uid": "kvbatch-prometheus"}
+PG = {"type": "grafana-postgresql-datasource", "uid": "kvbatch-postgres"}
+SEL = '{model_name=~"$model"}'
+RATE = "[$__rate_interval]"
+
+
+class Grid:
+    """Lays panels out left to right on Grafana's 24-column grid."""
+
+    def __init__(self) -> None:
+        self.x = self.y = self.row_h = 0
+
+    def place(self, w: int, h: int) -> dict[str, int]:
+        if self.x + w > 24:
+            self.x, self.y, self.row_h = 0, self.y + self.row_h, 0
+        pos = {"x": self.x, "y": self.y, "w": w, "h": h}
+        self.x += w
+        self.row_h = max(self.row_h, h)
+        return pos
+
+
+def prom_panel(grid: Grid, pid: int, title: str, targets: list[tuple[str, str]], unit: str,
+               kind: str = "timeseries", w: int = 8, h: int = 8,
+               description: str = "") -> dict[str, Any]:
+    return {
+        "id": pid, "type": kind, "title": title, "description": description,
+        "datasource": PROM, "gridPos": grid.place(w, h),
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [{"refId": chr(ord("A") + i), "datasource": PROM, "expr": expr,
+                     "legendFormat": legend} for i, (expr, legend) in enumerate(targets)],
+    }
+
+
+def quantiles(metric: str, label: str) -> list[tuple[str, str]]:
+    return [(f"histogram_quantile({q}, sum by (le) (rate(kvbatch:{metric}_bucket{SEL}{RATE})))",
+             f"{label} p{round(q * 100)}") for q in (0.5, 0.9, 0.99)]
+
+
+def overview() -> dict[str, Any]:
+    g = Grid()
+    panels = [
+        prom_panel(g, 1, "Jobs running / waiting", [
+            (f"sum(kvbatch:num_requests_running{SEL})", "running"),
+            (f"sum(kvbatch:num_requests_waiting{SEL})", "waiting (in the engines)"),
+            (f"sum(kvbatch:num_requests_swapped{SEL})", "swapped"),
+        ], "short", description="Requests inside the workers' engines."),
+        prom_panel(g, 2, "Queue depth", [
+            (f"max by (model_name) (kvbatch:queue_depth{SEL})", "{{model_name}} waiting in Redis"),
+            (f"sum by (model_name) (kvbatch:jobs_in_flight{SEL})",
+             "{{model_name}} held by workers"),
+        ], "short", description="Every worker reports its model's stream depth: max, not sum."),
+        prom_panel(g, 3, "Workers reporting", [
+            (f"count by (model_name) (kvbatch:jobs_in_flight{SEL})", "{{model_name}}"),
+        ], "short", kind="stat"),
+        prom_panel(g, 4, "Throughput", [
+            (f"sum(rate(kvbatch:prompt_tokens_total{SEL}{RATE}))", "prompt tokens/s (computed)"),
+            (f"sum(rate(kvbatch:generation_tokens_total{SEL}{RATE}))", "generated tokens/s"),
+        ], "short", w=12),
+        prom_panel(g, 5, "Jobs finished by status", [
+            (f"sum by (status) (rate(kvbatch:jobs_total{SEL}{RATE}))", "{{status}}"),
+        ], "ops", w=12),
+        prom_panel(g, 6, "Time to first token", quantiles("time_to_first_token_seconds", "TTFT"),
+                   "s", description="From submission, so it includes the queue wait."),
+        prom_panel(g, 7, "Inter-token latency",
+                   quantiles("inter_token_latency_seconds", "ITL"), "s"),
+        prom_panel(g, 8, "End-to-end latency",
+                   quantiles("e2e_request_latency_seconds", "e2e")
+                   + quantiles("request_queue_time_seconds", "queue")[::2], "s"),
+        prom_panel(g, 9, "KV-cache usage", [
+            (f"max by (instance) (kvbatch:kv_cache_usage_perc{SEL})", "{{instance}}"),
+        ], "percentunit", description="Share of each worker's KV blocks in use."),
+        prom_panel(g, 10, "Prefix-cache hit rate", [
+            (f"sum(rate(kvbatch:prefix_cache_hits_total{SEL}{RATE})) / "
+             f"sum(rate(kvbatch:prefix_cache_queries_total{SEL}{RATE}))", "hit rate"),
+        ], "percentunit", description="Prompt tokens found in the cache over prompt tokens "
+                                      "looked up."),
+        prom_panel(g, 11, "Preemptions", [
+            (f"sum by (instance) (rate(kvbatch:num_preemptions_total{SEL}{RATE}))",
+             "{{instance}}"),
+        ], "ops", description="Sustained preemptions: the KV budget is too small for "
+                              "max_num_seqs."),
+        prom_panel(g, 12, "Jobs by terminal status (time range)", [
+            (f"sum by (status) (increase(kvbatch:jobs_total{SEL}[$__range]))", "{{status}}"),
+        ], "short", kind="bargauge", w=24, h=6),
+    ]
+    variables = [{
+        "name": "model", "label": "model", "type": "query", "datasource": PROM,
+        "query": {"query": "label_values(kvbatch:jobs_in_flight, model_name)",
+                  "refId": "model"},
+        "definition": "label_values(kvbatch:jobs_in_flight, model_name)",
+        "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2,
+        "current": {"text": "All", "value": "$__all"},
+    }]
+    return dashboard("kvbatch-overview", "kvbatch / Overview", panels, variables, "30s",
+                     "now-1h")
+
+
+def sql_panel(grid: Grid, pid: int, title: str, sql: str, kind: str, unit: str = "short",
+              w: int = 12, h: int = 9, description: str = "") -> dict[str, Any]:
+    fmt = "time_series" if kind == "timeseries" else "table"
+    return {
+        "id": pid, "type": kind, "title": title, "description": description,
+        "datasource": PG, "gridPos": grid.place(w, h),
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {},
+        "targets": [{"refId": "A", "datasource": PG, "format": fmt, "rawQuery": True,
+                     "editorMode": "code", "rawSql": " ".join(sql.split())}],
+    }
+
+
+MODEL_FILTER = "model IN ($model)"
+
+
+def jobs() -> dict[str, Any]:
+    g = Grid()
+    panels = [
+        sql_panel(g, 1, "Batch progress", f"""
+            SELECT b.id AS batch, b.model, b.status, b.num_jobs,
+                   count(s.job_id) AS finished,
+                   count(*) FILTER (WHERE s.status = 'succeeded') AS succeeded,
+                   count(*) FILTER (WHERE s.status = 'failed') AS failed,
+                   count(*) FILTER (WHERE s.status IN ('cancelled', 'expired'))
+                       AS cancelled_or_expired,
+                   round(100.0 * count(s.job_id) / NULLIF(b.num_jobs, 0), 1) AS pct_done,
+                   b.created_at, b.completed_at
+            FROM batches b LEFT JOIN job_stats s ON s.batch_id = b.id
+            WHERE $__timeFilter(b.created_at) AND b.{MODEL_FILTER}
+            GROUP BY b.id ORDER BY b.created_at DESC LIMIT 100""", "table", w=24,
+                  description="Jobs of each batch that reached a terminal status."),
+        sql_panel(g, 2, "Latency percentiles", f"""
+            SELECT $__timeGroupAlias(finished_at, $__interval),
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_s) AS "TTFT p50",
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY ttft_s) AS "TTFT p99",
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY e2e_s) AS "e2e p50",
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY e2e_s) AS "e2e p99",
+                   percentile_cont(0.5) WITHIN GROUP (ORDER BY tpot_s) AS "TPOT p50"
+            FROM job_stats
+            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {MODEL_FILTER}
+            GROUP BY 1 ORDER BY 1""", "timeseries", unit="s"),
+        sql_panel(g, 3, "Cached-token share", f"""
+            SELECT $__timeGroupAlias(finished_at, $__interval),
+                   sum(cached_prompt_tokens)::float / NULLIF(sum(prompt_tokens), 0)
+                       AS "cached share of prompt tokens"
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            GROUP BY 1 ORDER BY 1""", "timeseries", unit="percentunit"),
+        sql_panel(g, 4, "Peak KV bytes per job", f"""
+            SELECT $__timeGroupAlias(finished_at, $__interval),
+                   avg(peak_kv_bytes) AS "mean",
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY peak_kv_bytes) AS "p99",
+                   max(peak_kv_bytes) AS "max"
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            GROUP BY 1 ORDER BY 1""", "timeseries", unit="bytes"),
+        sql_panel(g, 5, "Jobs finished per status", f"""
+            SELECT $__timeGroupAlias(finished_at, $__interval), status AS metric,
+                   count(*) AS value
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            GROUP BY 1, 2 ORDER BY 1""", "timeseries"),
+        sql_panel(g, 6, "Slowest jobs", f"""
+            SELECT job_id, batch_id, model, e2e_s, ttft_s, queue_wait_s, prompt_tokens,
+                   cached_prompt_tokens, generated_tokens, preemptions, peak_kv_bytes,
+                   worker_id, finished_at
+            FROM job_stats
+            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {MODEL_FILTER}
+            ORDER BY e2e_s DESC NULLS LAST LIMIT 25""", "table", w=24),
+        sql_panel(g, 7, "Failures with reasons", f"""
+            SELECT s.status, left(j.error, 160) AS reason, count(*) AS jobs,
+                   max(s.finished_at) AS last_seen
+            FROM job_stats s JOIN jobs j ON j.id = s.job_id
+            WHERE $__timeFilter(s.finished_at) AND s.status <> 'succeeded'
+                  AND s.{MODEL_FILTER}
+            GROUP BY 1, 2 ORDER BY jobs DESC LIMIT 50""", "table", w=24),
+    ]
+    variables = [{
+        "name": "model", "label": "model", "type": "query", "datasource": PG,
+        "query": "SELECT DISTINCT model FROM job_stats ORDER BY 1",
+        "definition": "SELECT DISTINCT model FROM job_stats ORDER BY 1",
+        "includeAll": True, "multi": True, "refresh": 2,
+        "current": {"text": "All", "value": "$__all"},
+    }]
+    return dashboard("kvbatch-jobs", "kvbatch / Jobs", panels, variables, "1m", "now-24h")
+
+
+def dashboard(uid: str, title: str, panels: list[dict[str, Any]],
+              variables: list[dict[str, Any]], refresh: str, since: str) -> dict[str, Any]:
+    return {
+        "uid": uid, "title": title, "tags": ["kvbatch"], "timezone": "utc",
+        "schemaVersion": 39, "version": 1, "editable": True, "refresh": refresh,
+        "time": {"from": since, "to": "now"},
+        "templating": {"list": variables}, "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def main() -> None:
+    for name, board in (("kvbatch-overview.json", overview()), ("kvbatch-jobs.json", jobs())):
+        (OUT / name).write_text(json.dumps(board, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
