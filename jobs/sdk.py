@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_KEY_PREFIX, DEFAULT_MODEL
 from jobs.db import DEFAULT_DATABASE_URL
-from jobs.rows import Row, parse_row
+from jobs.rows import Row, RowKind, parse_row
 from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus
 from jobs.stats import Stats, query_stats
 
@@ -277,8 +277,8 @@ class Client:
                 "method", "url", "body"}``); a plain row without ``custom_id`` gets its index.
             batch_id: the batch (default: a new one); reuse it to resume.
             model: served model name for every row (default: the client's).
-            system_prompt: prepended as a system message to rows without one (a ``prompt``
-                row becomes a chat).
+            system_prompt: prepended as a system message to rows without one (a plain
+                ``prompt`` row becomes a chat; OpenAI ``/v1/completions`` rows stay raw text).
             priority: default priority of the rows.
             deadline: every row expires if not finished by then.
             chunk_size: rows per SQL transaction and Redis pipeline.
@@ -341,7 +341,7 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
              deadline: datetime | None) -> JobSpec:
     """The job of one dataset row: the row's sampling fields over ``defaults``."""
     prompt, messages = row.prompt, row.messages
-    if system_prompt is not None:
+    if system_prompt is not None and row.kind is not RowKind.COMPLETION:  # raw text stays raw
         if messages is None and prompt is not None:
             prompt, messages = None, [{"role": "user", "content": prompt}]
         if messages is not None and not any(m.get("role") == "system" for m in messages):

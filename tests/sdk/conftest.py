@@ -99,8 +99,16 @@ def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable
         thread.join(30)
 
 
+@pytest.fixture
 def cli_env(services: dict[str, str]) -> dict[str, str]:
     """The environment of a ``kvbatch`` subprocess talking to the test's services."""
     return {**os.environ, "KVBATCH_REDIS_URL": services["redis_url"],
             "KVBATCH_DATABASE_URL": services["database_url"],
             "KVBATCH_KEY_PREFIX": services["key_prefix"], "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def cli_args(services: dict[str, str]) -> list[str]:
+    """Connection flags for an in-process ``jobs.cli.main`` call."""
+    return ["--redis-url", services["redis_url"], "--database-url", services["database_url"],
+            "--key-prefix", services["key_prefix"]]

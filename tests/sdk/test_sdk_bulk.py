@@ -1,0 +1,186 @@
+"""Batches at scale and the bulk CLI: 1,000 rows through submit_batch, resume after a kill,
+OpenAI batch files, status/cancel/stats, against real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from jobs.cli import main
+from jobs.schemas import JobStatus
+from jobs.sdk import Client
+
+MODEL = "tiny"
+SYSTEM = "You are a terse assistant; every job of this batch shares this system prompt. " * 2
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _jobs_of(client: Client, batch_id: str) -> list[tuple[str | None, int]]:
+    with client.jobs.store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT custom_id, attempts FROM jobs WHERE batch_id = :b"),
+                            {"b": batch_id}).all()
+    return [(r.custom_id, r.attempts) for r in rows]
+
+
+def test_thousand_row_batch(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+    rows = [{"custom_id": f"row-{i}", "messages": [{"role": "user", "content": f"item {i}"}]}
+            for i in range(1000)]
+    t0 = time.monotonic()
+    batch = client.submit_batch(rows, batch_id="big", system_prompt=SYSTEM, max_tokens=3,
+                                temperature=0.0)
+    submit_s = time.monotonic() - t0
+    assert batch.counts().queued == 1000 and len(batch.job_ids) == 1000
+    start_worker()
+    seen = []
+    for info in batch.results(timeout_s=240):
+        seen.append(info)
+        if len(seen) == 500:  # live counts mid-way
+            counts = batch.counts()
+            assert counts.total == 1000 and 500 <= counts.done < 1000
+    assert Counter(i.custom_id for i in seen) == Counter(r["custom_id"] for r in rows)
+    assert all(i.status is JobStatus.SUCCEEDED for i in seen)
+    finished = [i.finished_at for i in seen]
+    assert finished == sorted(finished)  # completion order (one worker)
+    assert batch.wait(timeout_s=5).succeeded == 1000
+    # Resubmitting the batch (custom_id is the key) adds nothing and reruns nothing.
+    again = client.submit_batch(rows, batch_id="big", system_prompt=SYSTEM, max_tokens=3)
+    assert again.job_ids == batch.job_ids
+    jobs = _jobs_of(client, "big")
+    assert len(jobs) == 1000 and {attempts for _, attempts in jobs} == {1}
+    stats = client.stats(batch_id="big")
+    assert stats.jobs == 1000 and stats.by_status == {"succeeded": 1000}
+    assert stats.generated_tokens == sum(i.result.usage.completion_tokens for i in seen)
+    assert stats.prefix_cache_hit_rate > 0.5  # the shared system prompt is computed once-ish
+    assert stats.e2e_s["p50"] <= stats.e2e_s["p99"] and stats.peak_kv_bytes > 0
+    assert submit_s < 30, f"submitting 1000 rows took {submit_s:.1f} s"
+
+
+def test_cli_resume_after_kill(tmp_path: Path, client: Client, start_worker,  # type: ignore[no-untyped-def]
+                               cli_env: dict[str, str]) -> None:
+    n = 240
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"custom_id": f"c{i}", "prompt": f"p{i}",
+                                        "max_tokens": 24, "ignore_eos": True}) + "\n"
+                            for i in range(n)))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "jobs.cli", "submit", str(data), "-o", str(out),
+           "--model", MODEL, "--batch-id", "resume", "--no-progress"]
+    start_worker(max_num_seqs=4, waiting_buffer=2)
+    log = tmp_path / "first-run.log"
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, env=cli_env, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while (len(out.read_bytes().splitlines()) if out.exists() else 0) < 20:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = len(_lines(out))
+    assert 20 <= first < n, "killed too late to test resume"
+
+    done = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"were already in {out}" in done.stdout and "hit rate" in done.stdout
+    lines = _lines(out)
+    assert Counter(line["custom_id"] for line in lines) == Counter(f"c{i}" for i in range(n))
+    assert all(line["status"] == "succeeded" and line["usage"]["completion_tokens"] == 24
+               for line in lines)
+    jobs = _jobs_of(client, "resume")
+    assert len(jobs) == n and {attempts for _, attempts in jobs} == {1}  # nothing re-run
+
+    # A third run finds everything written: no new job, no new line.
+    again = subprocess.run(cmd, env=cli_env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "0 rows written" in again.stdout
+    assert len(_lines(out)) == n and len(_jobs_of(client, "resume")) == n
+
+
+def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  # type: ignore[no-untyped-def]
+                                 cli_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    chat = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "gpt-4o-mini", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": f"question {i}"}]}}
+            for i in range(6)]
+    completion = [{"custom_id": "cmpl-0", "method": "POST", "url": "/v1/completions",
+                   "body": {"model": "x", "prompt": "Once upon", "max_tokens": 4,
+                            "temperature": 0, "stop": "\n"}}]
+    bad = [{"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "x", "temperature": -1,
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}}]
+    data = tmp_path / "batch.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion + bad))
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    start_worker()
+    rc = main(["submit", str(data), "-o", str(out), "-e", str(errors), "--model", MODEL,
+               "--batch-id", "oai", "--system-prompt", "Be brief.", "--no-progress",
+               *cli_args])
+    assert rc == 0
+    lines = {line["custom_id"]: line for line in _lines(out)}
+    assert sorted(lines) == sorted(r["custom_id"] for r in chat + completion)
+    for i in range(6):
+        line = lines[f"chat-{i}"]
+        assert line["error"] is None and line["id"].startswith("batch_req_")
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+        assert body["model"] == MODEL and body["choices"][0]["message"]["role"] == "assistant"
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert 0 < usage["completion_tokens"] <= 5
+    cached = sum(lines[f"chat-{i}"]["response"]["body"]["usage"]["prompt_tokens_details"]
+                 ["cached_tokens"] for i in range(6))
+    assert cached >= 0
+    body = lines["cmpl-0"]["response"]["body"]
+    assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
+    [err] = _lines(errors)
+    assert err["custom_id"] == "bad" and err["response"] is None
+    assert err["error"]["code"] == "job_failed" and "temperature" in err["error"]["message"]
+    # The system prompt reached the chat rows (and not the completion row).
+    spec = client.jobs.store.specs([client.batch("oai").job_ids["chat-0"]])[0]
+    assert spec.messages[0].role == "system" and spec.messages[0].content == "Be brief."
+    assert client.jobs.store.specs([client.batch("oai").job_ids["cmpl-0"]])[0].prompt
+
+    capsys.readouterr()
+    assert main(["status", "oai", *cli_args]) == 0
+    text = capsys.readouterr().out
+    assert "succeeded" in text and "total" in text and "hit rate" in text
+    assert main(["stats", "--batch", "oai", "--since", "1h", *cli_args]) == 0
+    assert "8 (1 failed, 7 succeeded)" in capsys.readouterr().out
+    assert main(["status", client.batch("oai").job_ids["bad"], *cli_args]) == 0
+    assert "temperature" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_file_and_cancels(tmp_path: Path, client: Client, cli_args: list[str],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "fine"}\n{"prompt": "x", "max_tokens": "lots"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["submit", str(data), "-o", str(out), "--no-progress", *cli_args]) == 2
+    assert "max_tokens" in capsys.readouterr().err
+    assert client.jobs.store.count_by_status() == {}  # nothing enqueued
+
+    csv_data = tmp_path / "rows.csv"
+    csv_data.write_text("custom_id,prompt,max_tokens\na,hello,3\nb,world,\n")
+    batch = client.submit_batch([{"custom_id": "x", "prompt": "queued"}] * 1, batch_id="c")
+    assert main(["cancel", "c", *cli_args]) == 0
+    assert batch.counts().cancelled == 1
+    from jobs.bulk import read_rows
+
+    rows = read_rows(csv_data)
+    assert [(r.custom_id, r.prompt, r.sampling) for r in rows] == [
+        ("a", "hello", {"max_tokens": "3"}), ("b", "world", {})]
+    job = client.submit(prompt="lonely", model="nobody-serves")
+    assert main(["cancel", job.id, *cli_args]) == 0
+    assert job.status() is JobStatus.CANCELLED
+    assert main(["cancel", "no-such-id", *cli_args]) == 1
