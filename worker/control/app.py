@@ -138,9 +138,11 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
 def run_control(settings: ControlSettings, concurrency: int = 4, beat: bool = True,
                 loglevel: str = "INFO") -> int:
     """Run a control worker (thread pool) with the beat scheduler embedded, until stopped."""
+    from celery.utils.nodenames import host_format
+
     app = make_app(settings)
     worker = app.Worker(pool="threads", concurrency=concurrency, beat=beat, loglevel=loglevel,
-                        hostname="control@%h", queues=[QUEUE])
+                        hostname=host_format("control@%h"), queues=[QUEUE])
     worker.start()
     return int(worker.exitcode or 0)
 
