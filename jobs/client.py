@@ -95,9 +95,11 @@ class JobClient:
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
     def get(self, job_id: str) -> JobInfo | None:
+        """The stored job ``job_id`` (None if unknown)."""
         return self.store.get(job_id)
 
     def get_many(self, job_ids: Sequence[str]) -> list[JobInfo]:
+        """The stored jobs among ``job_ids`` (unknown ids are left out), in no set order."""
         return self.store.get_many(job_ids)
 
     def cancel(self, job_id: str) -> JobStatus | None:

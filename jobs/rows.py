@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from jobs.schemas import JobInfo, JobStatus, Sampling
+from jobs.schemas import Choice, JobInfo, JobStatus, Sampling
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -44,7 +44,7 @@ class Row:
     custom_id: str
     kind: RowKind
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -89,7 +89,7 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
     if obj.get("method", "POST") != "POST":
         raise ValueError(f"method {obj.get('method')!r} is not supported (POST only)")
     try:
-        kind = RowKind(obj.get("url"))
+        kind = RowKind(str(obj.get("url")))
     except ValueError:
         raise ValueError(f"url {obj.get('url')!r} is not supported "
                          f"({CHAT_URL} or {COMPLETIONS_URL})") from None
@@ -121,7 +121,7 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
                messages=messages, sampling=sampling, metadata=dict(body.get("metadata") or {}))
 
 
-def _openai_message(message: Any) -> dict[str, str]:
+def _openai_message(message: Any) -> dict[str, Any]:
     if not isinstance(message, Mapping):
         raise ValueError("each message must be an object")
     content = message.get("content")
@@ -164,7 +164,7 @@ def _plain_output(info: JobInfo) -> dict[str, Any]:
 def _openai_body(kind: RowKind, info: JobInfo) -> dict[str, Any]:
     assert info.result is not None  # a succeeded job has a result
     result = info.result
-    samples = result.choices or [None]
+    samples: list[Choice | None] = list(result.choices) or [None]
     choices = []
     for i, c in enumerate(samples):
         text = c.text if c else result.text

@@ -70,6 +70,7 @@ class BatchCounts:
 
     @classmethod
     def of(cls, counts: Mapping[JobStatus, int]) -> BatchCounts:
+        """From ``JobStore.count_by_status`` (statuses without jobs are absent there)."""
         return cls(**{s.value: n for s, n in counts.items()})
 
     @property
@@ -235,7 +236,7 @@ class Client:
         self.jobs.store.engine.dispose()
 
     def submit(self, prompt: str | None = None, *,
-               messages: list[dict[str, str]] | None = None, model: str | None = None,
+               messages: list[dict[str, Any]] | None = None, model: str | None = None,
                max_tokens: int | None = None, temperature: float | None = None,
                priority: int = 0, metadata: dict[str, Any] | None = None,
                deadline: datetime | None = None, **sampling: Any) -> JobHandle:
@@ -256,9 +257,10 @@ class Client:
             pydantic.ValidationError: invalid arguments; nothing was enqueued.
         """
         sampling = _given(sampling, max_tokens=max_tokens, temperature=temperature)
-        spec = JobSpec(model=model or self.model, prompt=prompt, messages=messages,
-                       sampling=sampling, priority=priority, metadata=metadata or {},
-                       deadline=deadline)
+        spec = JobSpec.model_validate({
+            "model": model or self.model, "prompt": prompt, "messages": messages,
+            "sampling": sampling, "priority": priority, "metadata": metadata or {},
+            "deadline": deadline})
         self.jobs.submit([spec])
         return JobHandle(self, spec.id)
 
@@ -346,10 +348,11 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
             prompt, messages = None, [{"role": "user", "content": prompt}]
         if messages is not None and not any(m.get("role") == "system" for m in messages):
             messages = [{"role": "system", "content": system_prompt}, *messages]
-    return JobSpec(model=model, batch_id=batch_id, custom_id=row.custom_id, prompt=prompt,
-                   messages=messages, sampling={**defaults, **row.sampling},
-                   priority=priority if row.priority is None else row.priority,
-                   metadata=row.metadata, deadline=deadline)
+    return JobSpec.model_validate({
+        "model": model, "batch_id": batch_id, "custom_id": row.custom_id, "prompt": prompt,
+        "messages": messages, "sampling": {**defaults, **row.sampling},
+        "priority": priority if row.priority is None else row.priority,
+        "metadata": row.metadata, "deadline": deadline})
 
 
 def _given(sampling: dict[str, Any], **named: Any) -> dict[str, Any]:

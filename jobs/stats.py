@@ -66,7 +66,8 @@ def job_stats_rows(engine: Engine, batch_id: str | None = None,
         batch_id: only this batch's jobs.
         since: only jobs finished after this time (a ``timedelta`` counts back from now).
     """
-    where, params = ["1 = 1"], {}
+    where: list[str] = ["1 = 1"]
+    params: dict[str, Any] = {}
     if batch_id is not None:
         where.append("s.batch_id = :batch_id")
         params["batch_id"] = batch_id
