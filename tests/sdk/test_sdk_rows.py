@@ -1,0 +1,112 @@
+"""Row formats, output shapes and statistics: tables of inputs, plus stats on both databases."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from jobs import db
+from jobs.rows import RowKind, output_line, parse_row
+from jobs.schemas import JobInfo, JobResult, JobSpec, JobStats, JobStatus, Usage
+from jobs.stats import percentiles, query_stats
+from jobs.store import JobStore, Outcome
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(("row", "expected"), [
+    ({"prompt": "hi"}, ("7", RowKind.PLAIN, "hi", None, {})),
+    ({"custom_id": 3, "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+      "stop": ["\n"]}, ("3", RowKind.PLAIN, None, [{"role": "user", "content": "x"}],
+                        {"max_tokens": 4, "stop": ["\n"]})),
+    ({"custom_id": "a", "method": "POST", "url": CHAT,
+      "body": {"model": "gpt-4o", "max_completion_tokens": 9, "stop": "END", "logprobs": True,
+               "top_logprobs": 2, "messages": [{"role": "user", "content": [
+                   {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}},
+     ("a", RowKind.CHAT, None, [{"role": "user", "content": "ab"}],
+      {"max_tokens": 9, "stop": ["END"], "logprobs": 2})),
+    ({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "p", "logprobs": 1}},
+     ("b", RowKind.COMPLETION, "p", None, {"logprobs": 1})),
+])
+def test_parse_row(row, expected) -> None:  # type: ignore[no-untyped-def]
+    r = parse_row(row, 7)
+    assert (r.custom_id, r.kind, r.prompt, r.messages, r.sampling) == expected
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ([1, 2], "JSON object"),
+    ({"prompt": "x", "colour": 1}, "unknown field"),
+    ({"url": CHAT, "body": {}}, "needs a 'custom_id'"),
+    ({"custom_id": "a", "method": "GET", "url": CHAT, "body": {}}, "POST only"),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "not supported"),
+    ({"custom_id": "a", "url": CHAT, "body": {"tools": []}}, "'tools'"),
+    ({"custom_id": "a", "url": CHAT, "body": {"messages": [
+        {"role": "user", "content": [{"type": "image_url"}]}]}}, "text content parts"),
+])
+def test_parse_row_errors(row, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        parse_row(row, 0)
+
+
+def _info(status: JobStatus, **kw) -> JobInfo:  # type: ignore[no-untyped-def]
+    now = datetime.now(UTC)
+    return JobInfo(id="j1", batch_id="b", custom_id="c1", model="m", status=status,
+                   priority=0, metadata={}, created_at=now, started_at=now, finished_at=now,
+                   deadline=None, attempts=1, worker_id="w", **kw)
+
+
+def test_output_shapes() -> None:
+    ok = _info(JobStatus.SUCCEEDED, error=None, stats=JobStats(e2e_s=1.5), result=JobResult(
+        text="hello", token_ids=[1, 2], finish_reason="length",
+        usage=Usage(prompt_tokens=10, cached_prompt_tokens=8, completion_tokens=2)))
+    line = output_line(RowKind.CHAT, ok)
+    body = line["response"]["body"]
+    assert line["custom_id"] == "c1" and line["error"] is None
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                "finish_reason": "length", "logprobs": None}]
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 8}}
+    assert output_line(RowKind.COMPLETION, ok)["response"]["body"]["choices"][0]["text"] == "hello"
+    plain = output_line(RowKind.PLAIN, ok)
+    assert plain["text"] == "hello" and plain["status"] == "succeeded" and plain["e2e_s"] == 1.5
+    failed = _info(JobStatus.EXPIRED, error="deadline passed")
+    assert output_line(RowKind.CHAT, failed)["error"] == {"code": "job_expired",
+                                                          "message": "deadline passed"}
+    assert output_line(RowKind.PLAIN, failed)["error"] == "deadline passed"
+
+
+def test_percentiles() -> None:
+    assert percentiles([None, 3.0, 1.0, 2.0, 4.0]) == {"p50": 2.5, "p90": 3.7,
+                                                        "p99": pytest.approx(3.97)}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+def test_stats_by_batch_and_since(database: str, request: pytest.FixtureRequest,
+                                  tmp_path) -> None:  # type: ignore[no-untyped-def]
+    url = (request.getfixturevalue("pg_url") if database == "postgresql"
+           else f"sqlite:///{tmp_path / 'stats.db'}")
+    engine = db.make_engine(url)
+    db.upgrade(engine)
+    store = JobStore(engine)
+    t0 = time.time()
+    specs = [JobSpec(id=uuid.uuid4().hex, model="m", prompt="p", batch_id=b, custom_id=str(i),
+                     submitted_at=t0 - 10) for i, b in enumerate(["x", "x", "y"])]
+    store.insert_jobs(specs)
+    stats = [JobStats(e2e_s=e, prompt_tokens=100, cached_prompt_tokens=c, generated_tokens=g,
+                      peak_kv_bytes=k) for e, c, g, k in [(1.0, 50, 10, 4096),
+                                                          (3.0, 0, 30, 8192), (2.0, 0, 5, 1)]]
+    store.finish([Outcome(s.id, JobStatus.SUCCEEDED, t0, result=JobResult(), stats=st)
+                  for s, st in zip(specs, stats, strict=True)])
+    x = query_stats(engine, batch_id="x")
+    assert (x.jobs, x.generated_tokens, x.cached_prompt_tokens, x.peak_kv_bytes) == (
+        2, 40, 50, 8192)
+    assert x.prefix_cache_hit_rate == 0.25 and x.e2e_s["p50"] == 2.0
+    assert x.wall_s == pytest.approx(10, abs=0.01) and x.output_tokens_per_s == pytest.approx(4)
+    assert query_stats(engine, since=timedelta(hours=1)).jobs == 3
+    assert query_stats(engine, since=datetime.now(UTC) + timedelta(minutes=1)).jobs == 0
+    assert query_stats(engine, batch_id="y", since=timedelta(hours=1)).generated_tokens == 5
+    engine.dispose()
