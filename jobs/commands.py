@@ -7,9 +7,11 @@ Connection flags default to ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -40,24 +42,44 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     submit.add_argument("--batch-id", help="default: derived from the input and output paths")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
     _connection_arguments(submit)
-    submit.set_defaults(func=_submit)
+    submit.set_defaults(func=_guarded(_submit))
 
     status = sub.add_parser("status", help="counts and statistics of a batch, or one job")
     status.add_argument("id", help="a batch id or a job id")
     _connection_arguments(status)
-    status.set_defaults(func=_status)
+    status.set_defaults(func=_guarded(_status))
 
     cancel = sub.add_parser("cancel", help="cancel a job, or every unfinished job of a batch")
     cancel.add_argument("id", help="a job id or a batch id")
     _connection_arguments(cancel)
-    cancel.set_defaults(func=_cancel)
+    cancel.set_defaults(func=_guarded(_cancel))
 
     stats = sub.add_parser("stats", help="aggregate statistics of finished jobs")
     stats.add_argument("--batch", help="only this batch")
     stats.add_argument("--since", type=_since,
                        help="only jobs finished since: a duration (30m, 2h, 1d) or ISO time")
     _connection_arguments(stats)
-    stats.set_defaults(func=_stats)
+    stats.set_defaults(func=_guarded(_stats))
+
+
+def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """The command, with unreachable services and unmigrated databases as one-line errors."""
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        import redis
+        from sqlalchemy.exc import OperationalError, ProgrammingError
+
+        try:
+            return command(args)
+        except (OperationalError, ProgrammingError) as exc:
+            print(f"kvbatch {args.command}: database error: {exc.orig}\n(is the database "
+                  f"reachable and migrated? kvbatch db upgrade --database-url …)",
+                  file=sys.stderr)
+        except redis.ConnectionError as exc:
+            print(f"kvbatch {args.command}: cannot reach Redis: {exc}", file=sys.stderr)
+        return 1
+
+    return run
 
 
 def _connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +112,9 @@ def _submit(args: argparse.Namespace) -> int:
     )
     print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
     with _client(args, args.model) as client:
+        if not _served(client, opts.model):
+            print(f"warning: no live worker serves {opts.model!r}; rows wait in the queue "
+                  f"until one starts (kvbatch worker --model …)", file=sys.stderr)
         try:
             tally = run_bulk(client, rows, opts)
         except ValueError as exc:
@@ -104,6 +129,14 @@ def _submit(args: argparse.Namespace) -> int:
               f"succeed), {tally.skipped} were already in {opts.output}")
         print(format_stats(client.stats(batch_id=opts.batch_id)))
     return 0
+
+
+def _served(client: Client, model: str) -> bool:
+    from jobs.queue import JobQueue
+
+    redis, keys = client.jobs.redis, client.jobs.keys
+    models = redis.hgetall(keys.workers())
+    return any(models.get(w) == model for w in JobQueue(redis, model, keys).live_workers())
 
 
 def _status(args: argparse.Namespace) -> int:
