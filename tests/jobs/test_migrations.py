@@ -2,8 +2,12 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from alembic.script import ScriptDirectory
+
 from jobs import db
 from jobs.models import Base
+
+HEAD = ScriptDirectory(str(db.migrations_dir())).get_current_head()
 
 VIEW_COLUMNS = [
     "job_id", "batch_id", "model", "status", "queue_wait_s", "ttft_s", "tpot_s", "e2e_s",
@@ -20,7 +24,7 @@ def test_upgrade_empty_database_then_downgrade_cleanly(database_url: str) -> Non
     assert set(insp.get_table_names()) == {"alembic_version", "batches", "jobs", "job_metrics"}
     assert insp.get_view_names() == ["job_stats"]
     assert [c["name"] for c in insp.get_columns("job_stats")] == VIEW_COLUMNS
-    assert db.current_revision(engine) == "0001"
+    assert db.current_revision(engine) == HEAD
 
     db.upgrade(engine)  # idempotent at head
     db.downgrade(engine, "base")
@@ -30,7 +34,7 @@ def test_upgrade_empty_database_then_downgrade_cleanly(database_url: str) -> Non
     assert db.current_revision(engine) is None
 
     db.upgrade(engine)  # and back up again on the downgraded database
-    assert db.current_revision(engine) == "0001"
+    assert db.current_revision(engine) == HEAD
     engine.dispose()
 
 
