@@ -97,6 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, kv_caches, config.block_size, self.info.eos_token_ids, config.seed
         )
+        self.runner.warm_up()
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._arrivals = itertools.count()

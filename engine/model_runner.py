@@ -40,6 +40,29 @@ class ModelRunner:
             torch.set_flush_denormal(True)
 
     @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the attention kernels now rather than in the first decode step.
+
+        Runs the decode op once over the (empty) cache; it only reads. The batch and table
+        sizes differ from every other size in play: a compiler that traces with dynamic
+        shapes would otherwise assume equal sizes stay equal and compile again later.
+        """
+        attn = self.model.layers[0].self_attn.attn
+        taken = {*self.kv_caches.shape, attn.num_heads, attn.head_dim}
+        num_seqs, num_blocks = [n for n in range(3, 10**4) if n not in taken][:2]
+        query = torch.zeros(
+            num_seqs, attn.num_heads, attn.head_dim, dtype=self.kv_caches.dtype,
+            device=self.device,
+        )
+        pool_blocks = self.kv_caches.shape[2]
+        tables = torch.arange(num_seqs * num_blocks, device=self.device) % pool_blocks
+        tables = tables.view(num_seqs, num_blocks).to(torch.int32)
+        seq_lens = torch.full((num_seqs,), num_blocks * self.block_size, dtype=torch.int32,
+                              device=self.device)
+        cache = self.kv_caches[0]
+        attn.ops.decode(query, cache[0], cache[1], tables, seq_lens, attn.scale)
+
+    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
         """Compute the step; return the sampled token(s) per sampling sequence (by seq_id)."""
         if out.block_copies:

@@ -62,11 +62,20 @@ def paged_attention_decode(
     scale: float,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (see the reference)."""
-    if query.shape[0] == 0:
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
         return torch.empty_like(query)
     max_blocks = -(-int(seq_lens.max()) // key_cache.shape[1])
     tables = block_tables[:, :max_blocks].long()
-    return _compiled_decode()(query, key_cache, value_cache, tables, seq_lens, scale)
+    # The kernel is compiled for dynamic shapes, but torch specialises sizes 0 and 1: one
+    # sequence or one block would compile it again. Pad both to two; the extra block is
+    # masked (past seq_len) and the extra row's output is dropped.
+    if max_blocks == 1:
+        tables = torch.cat([tables, tables], dim=1)
+    if num_seqs == 1:
+        query, tables, seq_lens = (torch.cat([t, t]) for t in (query, tables, seq_lens))
+    out = _compiled_decode()(query, key_cache, value_cache, tables, seq_lens, scale)
+    return out[:num_seqs]
 
 
 def paged_attention_prefill(
