@@ -12,9 +12,9 @@ import redis
 from sqlalchemy import Engine
 
 from jobs.constants import DEFAULT_KEY_PREFIX, Keys
-from jobs.db import DEFAULT_DATABASE_URL, make_engine
+from jobs.db import DEFAULT_DATABASE_URL, as_engine
 from jobs.follow import Follower
-from jobs.queue import JobQueue, signal_cancel
+from jobs.queue import JobQueue, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
 from jobs.store import JobStore
 
@@ -40,7 +40,7 @@ class JobClient:
     ) -> None:
         self.redis = redis_client or redis.Redis.from_url(redis_url, decode_responses=True)
         self.keys = Keys(key_prefix)
-        self.store = JobStore(make_engine(database) if isinstance(database, str) else database)
+        self.store = JobStore(as_engine(database))
 
     def submit(self, specs: Sequence[JobSpec]) -> list[str]:
         """Record ``specs`` as queued (one SQL transaction), then add them to their streams.
@@ -109,7 +109,7 @@ class JobClient:
         if status is JobStatus.RUNNING:
             signal_cancel(self.redis, self.keys, job_id)
         elif status is JobStatus.CANCELLED:
-            self.redis.set(self.keys.done(job_id), status.value)
+            publish_done(self.redis, self.keys, [(job_id, status.value)])
         return status
 
     def wait(self, job_ids: Sequence[str], timeout_s: float = 60.0,

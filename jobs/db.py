@@ -17,16 +17,51 @@ DEFAULT_DATABASE_URL = "sqlite:///kvbatch.db"
 MIGRATIONS_ENV = "KVBATCH_MIGRATIONS_DIR"
 
 
-def make_engine(url: str = DEFAULT_DATABASE_URL, **kwargs: object) -> Engine:
-    """A SQLAlchemy engine for ``url``; ``postgresql://`` URLs use psycopg 3."""
+def make_engine(url: str = DEFAULT_DATABASE_URL, *, connect_timeout_s: float | None = None,
+                statement_timeout_s: float | None = None, **kwargs: object) -> Engine:
+    """A SQLAlchemy engine for ``url``; ``postgresql://`` URLs use psycopg 3.
+
+    Args:
+        url: the database URL.
+        connect_timeout_s: PostgreSQL only: give up connecting after this long (whole
+            seconds, at least 2, as libpq counts them).
+        statement_timeout_s: PostgreSQL only: the server cancels statements that run longer.
+        kwargs: passed to ``sqlalchemy.create_engine``.
+
+    Error messages never carry bound parameters (``hide_parameters``): they end up in logs and
+    in job rows, and parameters hold prompts and results.
+    """
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    kwargs.setdefault("hide_parameters", True)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30}, **kwargs)  # type: ignore[arg-type]
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
-    return create_engine(url, **kwargs)  # type: ignore[arg-type]
+    if connect_timeout_s is not None:
+        connect_args = dict(kwargs.pop("connect_args", None) or {})  # type: ignore[call-overload]
+        connect_args.setdefault("connect_timeout", max(2, round(connect_timeout_s)))
+        kwargs["connect_args"] = connect_args
+    engine = create_engine(url, **kwargs)  # type: ignore[arg-type]
+    if statement_timeout_s is not None:
+        timeout_ms = max(1, int(statement_timeout_s * 1000))
+
+        @event.listens_for(engine, "connect")
+        def _statement_timeout(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            # SET, not the startup "options": the URL may carry its own options (search_path).
+            autocommit = dbapi_conn.autocommit
+            dbapi_conn.autocommit = True
+            with dbapi_conn.cursor() as cur:
+                cur.execute(f"SET statement_timeout = {timeout_ms}")
+            dbapi_conn.autocommit = autocommit
+
+    return engine
+
+
+def as_engine(url_or_engine: str | Engine) -> Engine:
+    """``url_or_engine`` itself, or a new engine for it when it is a URL."""
+    return make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
@@ -64,7 +99,7 @@ def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
     """Migrate the database up to ``revision`` (creating the schema in an empty database)."""
     from alembic import command
 
-    engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
+    engine = as_engine(url_or_engine)
     command.upgrade(_alembic_config(engine), revision)
 
 
@@ -72,7 +107,7 @@ def downgrade(url_or_engine: str | Engine, revision: str = "base") -> None:
     """Migrate the database down to ``revision`` (``base`` drops everything kvbatch created)."""
     from alembic import command
 
-    engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
+    engine = as_engine(url_or_engine)
     command.downgrade(_alembic_config(engine), revision)
 
 
@@ -80,6 +115,6 @@ def current_revision(url_or_engine: str | Engine) -> str | None:
     """The revision the database is at, or None for an unmigrated database."""
     from alembic.runtime.migration import MigrationContext
 
-    engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
+    engine = as_engine(url_or_engine)
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()

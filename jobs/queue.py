@@ -103,6 +103,38 @@ class JobQueue:
         """End the lease now, so live workers claim what ``worker_id`` still holds."""
         self.client.delete(self.keys.heartbeat(worker_id))
 
+    def own_pending(self, consumer: str, page_size: int = 1000) -> list[str]:
+        """Entry ids pending on ``consumer``: after a restart under the same worker id, the
+        entries its previous process held (``XREADGROUP >`` never returns them again, and
+        nobody claims them while the new process keeps the heartbeat alive)."""
+        ids: list[str] = []
+        start = "-"
+        while True:
+            try:
+                pending = self.client.xpending_range(
+                    self.stream, CONSUMER_GROUP, min=start, max="+", count=page_size,
+                    consumername=consumer)
+            except redis.ResponseError:  # no group yet: nothing pending
+                return ids
+            ids += [p["message_id"] for p in pending]
+            if len(pending) < page_size:
+                return ids
+            start = "(" + ids[-1]
+
+    def claim(self, consumer: str, entry_ids: Sequence[str],
+              min_idle_ms: int = 0) -> tuple[list[Delivery], list[str]]:
+        """``XCLAIM`` entries for ``consumer``: (deliveries, ids of entries deleted meanwhile,
+        which are acked so they leave the pending list)."""
+        if not entry_ids:
+            return [], []
+        entries = self.client.xclaim(self.stream, CONSUMER_GROUP, consumer, min_idle_ms,
+                                     list(entry_ids))
+        claimed = [_delivery(e_id, fields) for e_id, fields in entries if fields]
+        gone = [e_id for e_id, fields in entries if not fields]
+        if gone:
+            self.client.xack(self.stream, CONSUMER_GROUP, *gone)
+        return claimed, gone
+
     def claim_orphans(self, consumer: str, count: int, min_idle_ms: int) -> list[Delivery]:
         """Take over up to ``count`` entries pending on consumers whose heartbeat expired.
 
@@ -124,17 +156,13 @@ class JobQueue:
                 continue
             if int(info["pending"]) == 0:
                 self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, name)
+                self.client.hdel(self.keys.workers(), name)
                 continue
             pending = self.client.xpending_range(
                 self.stream, CONSUMER_GROUP, min="-", max="+", count=count - len(claimed),
                 consumername=name,
             )
-            ids = [p["message_id"] for p in pending]
-            if ids:
-                entries = self.client.xclaim(
-                    self.stream, CONSUMER_GROUP, consumer, min_idle_ms, ids
-                )
-                claimed += [_delivery(e_id, fields) for e_id, fields in entries if fields]
+            claimed += self.claim(consumer, [p["message_id"] for p in pending], min_idle_ms)[0]
             if len(claimed) >= count:
                 break
         return claimed
@@ -157,12 +185,7 @@ class JobQueue:
 
     def publish_done(self, finished: Iterable[tuple[str, str]]) -> None:
         """Tell waiters that jobs reached a terminal status: a marker key and a message each."""
-        pipe = self.client.pipeline(transaction=False)
-        for job_id, status in finished:
-            pipe.set(self.keys.done(job_id), status, ex=DONE_MARKER_TTL_S)
-            pipe.delete(self.keys.cancel(job_id))
-            pipe.publish(self.keys.done_channel(), json.dumps({"id": job_id, "status": status}))
-        pipe.execute()
+        publish_done(self.client, self.keys, finished)
 
     def cancel_requested(self, job_ids: Sequence[str]) -> list[str]:
         """Which of ``job_ids`` have a pending cancel request."""
@@ -196,14 +219,31 @@ class JobQueue:
             start = "(" + entries[-1][0]
 
     def live_workers(self) -> set[str]:
-        """Worker ids whose heartbeat is current."""
+        """Worker ids whose heartbeat is current. Workers whose heartbeat is gone leave the
+        registry here, so it does not grow with every restart (a worker that comes back
+        registers again with its next heartbeat)."""
         names = list(self.client.hkeys(self.keys.workers()))
         if not names:
             return set()
         pipe = self.client.pipeline(transaction=False)
         for name in names:
             pipe.exists(self.keys.heartbeat(name))
-        return {n for n, alive in zip(names, pipe.execute(), strict=True) if alive}
+        alive = dict(zip(names, pipe.execute(), strict=True))
+        dead = [n for n, hit in alive.items() if not hit]
+        if dead:
+            self.client.hdel(self.keys.workers(), *dead)
+        return {n for n, hit in alive.items() if hit}
+
+
+def publish_done(client: redis.Redis, keys: Keys, finished: Iterable[tuple[str, str]]) -> None:
+    """Tell waiters that jobs reached a terminal status: a marker key (kept
+    :data:`DONE_MARKER_TTL_S`) and a message on the done channel each."""
+    pipe = client.pipeline(transaction=False)
+    for job_id, status in finished:
+        pipe.set(keys.done(job_id), status, ex=DONE_MARKER_TTL_S)
+        pipe.delete(keys.cancel(job_id))
+        pipe.publish(keys.done_channel(), json.dumps({"id": job_id, "status": status}))
+    pipe.execute()
 
 
 def signal_cancel(client: redis.Redis, keys: Keys, job_id: str) -> None:

@@ -24,24 +24,28 @@ class ReconcileReport:
 
 def reconcile(store: JobStore, queue: JobQueue, grace_s: float,
               now_s: float | None = None) -> ReconcileReport:
-    """One pass for ``queue.model``. Jobs submitted less than ``grace_s`` ago are left alone:
-    their producer may not have reached its XADD yet."""
+    """One pass for ``queue.model``. Jobs created less than ``grace_s`` ago (by the database's
+    clock) are left alone: their producer may not have reached its XADD yet. Active jobs are
+    read one page at a time, so a large backlog never sits in memory as rows."""
     now_s = time.time() if now_s is None else now_s
     expired = store.expire_overdue(queue.model, now_s)
     if expired:
         queue.publish_done((job_id, JobStatus.EXPIRED.value) for job_id in expired)
-    candidates = store.active_jobs(queue.model, created_before_s=now_s - grace_s)
-    if not candidates:
-        return ReconcileReport(expired, [])
-    in_stream = queue.job_ids_in_stream()
-    live = queue.live_workers()
-    missing = [
-        job_id for job_id, status, worker_id in candidates
-        if job_id not in in_stream and not (status == JobStatus.RUNNING and worker_id in live)
-    ]
-    if missing:
-        queue.ensure_group()
-        queue.enqueue(store.specs(missing))
-        log.warning("reconciler re-enqueued %d %s jobs missing from Redis", len(missing),
+    in_stream: set[str] | None = None
+    live: set[str] = set()
+    requeued: list[str] = []
+    for page in store.active_jobs(queue.model, older_than_s=grace_s):
+        if in_stream is None:  # only read Redis when SQL has candidates
+            in_stream, live = queue.job_ids_in_stream(), queue.live_workers()
+        missing = [
+            job_id for job_id, status, worker_id in page
+            if job_id not in in_stream and not (status == JobStatus.RUNNING and worker_id in live)
+        ]
+        if missing:
+            queue.ensure_group()
+            queue.enqueue(store.specs(missing))
+            requeued += missing
+    if requeued:
+        log.warning("reconciler re-enqueued %d %s jobs missing from Redis", len(requeued),
                     queue.model)
-    return ReconcileReport(expired, missing)
+    return ReconcileReport(expired, requeued)

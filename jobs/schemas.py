@@ -137,11 +137,11 @@ def encode_job(spec: JobSpec) -> str:
 
 
 def decode_job(payload: str | bytes) -> JobSpec:
-    """Parse a job from the wire; raises ``ValueError`` (pydantic's included) on bad input."""
-    if len(payload) > MAX_PAYLOAD_BYTES:
-        raise ValueError(
-            f"payload is {len(payload)} bytes, over the {MAX_PAYLOAD_BYTES}-byte limit"
-        )
+    """Parse a job from the wire; raises ``ValueError`` (pydantic's included) on bad input.
+    The size limit counts UTF-8 bytes, as :func:`encode_job` does, not characters."""
+    size = len(payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else payload)
+    if size > MAX_PAYLOAD_BYTES:
+        raise ValueError(f"payload is {size} bytes, over the {MAX_PAYLOAD_BYTES}-byte limit")
     return JobSpec.model_validate_json(payload)
 
 

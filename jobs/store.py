@@ -11,9 +11,9 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, case, delete, func, insert, null, select, update
@@ -32,8 +32,9 @@ from jobs.schemas import (
 )
 
 _ACTIVE = [s.value for s in ACTIVE_STATUSES]
+_EXPIRED_UNRUN = "deadline passed before the job ran"
 _EXPIRED_ERROR = {
-    JobStatus.QUEUED.value: "deadline passed before the job ran",
+    JobStatus.QUEUED.value: _EXPIRED_UNRUN,
     JobStatus.RUNNING.value: "deadline passed while running (worker did not report back)",
 }
 
@@ -45,6 +46,17 @@ def to_dt(ts: float) -> datetime:
 def _aware(dt: datetime | None) -> datetime | None:
     # SQLite hands back naive datetimes; everything stored is UTC.
     return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def db_now(session: Session) -> datetime:
+    """The database server's clock (UTC), so that ages compare against one clock however
+    skewed producers' and workers' clocks are."""
+    if session.get_bind().dialect.name == "sqlite":  # CURRENT_TIMESTAMP has whole seconds
+        stamp = session.scalar(select(func.strftime("%Y-%m-%d %H:%M:%f", "now")))
+        return datetime.fromisoformat(str(stamp)).replace(tzinfo=UTC)
+    value = session.scalar(select(func.now()))
+    assert isinstance(value, datetime)
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 class Decision(enum.Enum):
@@ -83,19 +95,20 @@ class JobStore:
         if not specs:
             return
         with Session(self.engine) as session, session.begin():
+            now = db_now(session)
             batch_ids = {s.batch_id for s in specs if s.batch_id is not None}
             if batch_ids:
                 known = set(session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids))))
                 for batch_id in sorted(batch_ids - known):
                     first = next(s for s in specs if s.batch_id == batch_id)
                     session.add(Batch(id=batch_id, model=first.model, meta={},
-                                      created_at=to_dt(first.submitted_at), num_jobs=0))
+                                      created_at=now, num_jobs=0))
                 session.flush()
                 for batch_id in batch_ids:
                     n = sum(1 for s in specs if s.batch_id == batch_id)
                     session.execute(update(Batch).where(Batch.id == batch_id)
                                     .values(num_jobs=Batch.num_jobs + n))
-            session.execute(insert(Job), [_job_row(s) for s in specs])
+            session.execute(insert(Job), [_job_row(s, now) for s in specs])
 
     def request_cancel(self, job_id: str, now_s: float) -> JobStatus | None:
         """Cancel a queued job at once; flag a running one (the caller tells its worker).
@@ -118,16 +131,24 @@ class JobStore:
     # -- workers -----------------------------------------------------------------------------
 
     def begin_deliveries(
-        self, job_ids: Sequence[str], worker_id: str, max_deliveries: int, now_s: float
+        self, job_ids: Sequence[str], worker_id: str, max_deliveries: int, now_s: float,
+        live_workers: Collection[str] = (),
     ) -> dict[str, Decision]:
         """Count one delivery of each job to ``worker_id`` and decide its fate, in one
-        transaction. Jobs decided RUN are ``running`` on ``worker_id`` afterwards."""
+        transaction. Jobs decided RUN are ``running`` on ``worker_id`` afterwards.
+
+        A job already ``running`` on another worker in ``live_workers`` is a second copy (a
+        stolen lease, a reconciler duplicate): it is skipped without counting a delivery, so
+        the copy neither runs it twice nor charges it an attempt. Terminal decisions count the
+        delivery too, so ``attempts`` agrees with the error text."""
         if not job_ids:
             return {}
         decisions = {job_id: Decision.SKIP for job_id in job_ids}
+        live = set(live_workers) - {worker_id}
         with Session(self.engine) as session, session.begin():
             rows = session.execute(
-                select(Job.id, Job.status, Job.attempts, Job.cancel_requested, Job.deadline_at)
+                select(Job.id, Job.status, Job.attempts, Job.cancel_requested, Job.deadline_at,
+                       Job.worker_id)
                 .where(Job.id.in_(set(job_ids)))
                 .with_for_update()
             ).all()
@@ -135,14 +156,15 @@ class JobStore:
             for row in rows:
                 if row.status not in _ACTIVE:
                     continue
+                if row.status == JobStatus.RUNNING.value and row.worker_id in live:
+                    continue  # runs on a live worker: this delivery is a duplicate
                 attempts = row.attempts + 1
                 deadline = _aware(row.deadline_at)
                 if row.cancel_requested:
                     outcome = Outcome(row.id, JobStatus.CANCELLED, now_s, error="cancelled")
                     decisions[row.id] = Decision.CANCELLED
                 elif deadline is not None and deadline.timestamp() <= now_s:
-                    outcome = Outcome(row.id, JobStatus.EXPIRED, now_s,
-                                      error="deadline passed before the job ran")
+                    outcome = Outcome(row.id, JobStatus.EXPIRED, now_s, error=_EXPIRED_UNRUN)
                     decisions[row.id] = Decision.EXPIRED
                 elif attempts > max_deliveries:
                     outcome = Outcome(
@@ -155,7 +177,7 @@ class JobStore:
                     run.append(row.id)
                     decisions[row.id] = Decision.RUN
                     continue
-                _terminalize(session, outcome, worker_id=worker_id)
+                _terminalize(session, outcome, worker_id=worker_id, attempts=attempts)
             if run:
                 session.execute(
                     update(Job).where(Job.id.in_(run)).values(
@@ -193,16 +215,26 @@ class JobStore:
 
     # -- reconciler --------------------------------------------------------------------------
 
-    def active_jobs(self, model: str, created_before_s: float) -> list[tuple[str, str, str | None]]:
-        """(id, status, worker_id) of queued/running jobs of ``model`` submitted before then."""
+    def active_jobs(self, model: str, older_than_s: float,
+                    page_size: int = 1000) -> Iterator[list[tuple[str, str, str | None]]]:
+        """Pages of (id, status, worker_id) of queued/running jobs of ``model`` created more
+        than ``older_than_s`` ago by the database's clock, in id order (one query per page)."""
         with Session(self.engine) as session:
-            rows = session.execute(
-                select(Job.id, Job.status, Job.worker_id).where(
-                    Job.model == model, Job.status.in_(_ACTIVE),
-                    Job.created_at < to_dt(created_before_s),
-                )
-            ).all()
-        return [(r.id, r.status, r.worker_id) for r in rows]
+            cutoff = db_now(session) - timedelta(seconds=older_than_s)
+        after = ""
+        while True:
+            with Session(self.engine) as session:
+                rows = session.execute(
+                    select(Job.id, Job.status, Job.worker_id).where(
+                        Job.model == model, Job.status.in_(_ACTIVE),
+                        Job.created_at < cutoff, Job.id > after,
+                    ).order_by(Job.id).limit(page_size)
+                ).all()
+            if rows:
+                yield [(r.id, r.status, r.worker_id) for r in rows]
+            if len(rows) < page_size:
+                return
+            after = rows[-1].id
 
     def specs(self, job_ids: Sequence[str]) -> list[JobSpec]:
         with Session(self.engine) as session:
@@ -221,7 +253,7 @@ class JobStore:
             return [
                 job_id for job_id in ids
                 if _terminalize(session, Outcome(job_id, JobStatus.EXPIRED, now_s,
-                                                 error="deadline passed before the job ran"))
+                                                 error=_EXPIRED_UNRUN))
             ]
 
     # -- control plane (worker/control/) ------------------------------------------------------
@@ -383,7 +415,7 @@ class JobStore:
             return {JobStatus(s): n for s, n in session.execute(query).all()}
 
 
-def _job_row(spec: JobSpec) -> dict[str, Any]:
+def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
     return {
         "id": spec.id,
         "batch_id": spec.batch_id,
@@ -393,14 +425,15 @@ def _job_row(spec: JobSpec) -> dict[str, Any]:
         "priority": spec.priority,
         "spec": spec.model_dump(mode="json"),
         "meta": spec.metadata,
-        "created_at": to_dt(spec.submitted_at),
+        "created_at": created_at,  # the database's clock: the reconciler's grace uses it
         "deadline_at": spec.deadline,
         "attempts": 0,
         "cancel_requested": False,
     }
 
 
-def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = None) -> bool:
+def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = None,
+                 attempts: int | None = None) -> bool:
     """Move one active job to its terminal state with its metrics row; False if it was not
     active (someone else finished it first)."""
     values: dict[str, Any] = {
@@ -410,6 +443,8 @@ def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = Non
     }
     if worker_id is not None:
         values["worker_id"] = worker_id
+    if attempts is not None:
+        values["attempts"] = attempts
     result = outcome.result
     if result is not None:
         values.update(

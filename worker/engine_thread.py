@@ -74,9 +74,6 @@ class EngineThread:
         self._stop.set()
         self._thread.join(timeout_s)
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         engine = self._engine
         last_stats = 0.0

@@ -2,13 +2,16 @@
 
 One pass of :meth:`Worker.tick` is a visible pipeline::
 
-    heartbeat → pull (claim orphans, XREADGROUP COUNT=free capacity) → decide (SQL: count the
-    delivery, skip duplicates, dead-letter, expire) → admit (engine thread) → collect outputs →
-    persist (one SQL transaction) → XACK → publish completions
+    pull (Redis: cancels, own pending after a restart, orphans, XREADGROUP COUNT=free capacity)
+    → decide (SQL: count the delivery, skip duplicates, dead-letter, expire) → admit (engine
+    thread) → collect outputs → persist (one SQL transaction) → flush the outbox (XACK, dead
+    letters, completion notices)
 
-All Redis and SQL I/O happens here, never on the engine thread. A failing database or Redis
-only delays work: undecided deliveries and unsaved results are retried with backoff and not
-acknowledged until stored.
+All Redis and SQL I/O happens on this thread, except the lease (``worker/heartbeat.py``) and
+the reconciler (``worker/maintenance.py``), which have their own threads so a slow pass never
+costs the worker its jobs. A failing database or Redis only delays work: undecided deliveries,
+unsaved results and owed Redis writes are retried with backoff, and nothing is acknowledged
+before it is stored.
 """
 
 from __future__ import annotations
@@ -19,31 +22,42 @@ import queue
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 from sqlalchemy import Engine
-from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.constants import Keys
 from jobs.db import make_engine
 from jobs.queue import Delivery, JobQueue
-from jobs.reconcile import reconcile
 from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus
 from jobs.schemas import decode_job as _decode
 from jobs.store import Decision, JobStore, Outcome
 from worker.engine_thread import Abort, Add, Crashed, EngineThread, Rejected, Stepped
+from worker.heartbeat import Heartbeat
+from worker.maintenance import ReconcilerThread
 from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox
 from worker.outcome import engine_outcome
+from worker.persist import ResultWriter
+from worker.retry import Backoff, is_outage, short_error
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_INTERVAL_S = 1.0
 DEPTH_INTERVAL_S = 1.0
-MAX_BACKOFF_S = 10.0
 IDLE_BLOCK_MS = 100
+# Redis calls give up after this long (XREADGROUP blocks IDLE_BLOCK_MS at most).
+REDIS_SOCKET_TIMEOUT_S = 5.0
+REDIS_CONNECT_TIMEOUT_S = 5.0
+# Database calls give up after these; a pass of the loop is then bounded by a few of them.
+SQL_CONNECT_TIMEOUT_S = 5.0
+SQL_STATEMENT_TIMEOUT_S = 30.0
+# A loop with no progress for this long is stuck: its lease lapses so others take its jobs.
+LOOP_STALL_S = 120.0
 
 
 @dataclass
@@ -62,31 +76,6 @@ class Held:
         return self.spec.deadline.timestamp() if self.spec.deadline else None
 
 
-@dataclass
-class _Backoff:
-    failures: int = 0
-    retry_at: float = 0.0
-
-    def ready(self, now: float) -> bool:
-        return now >= self.retry_at
-
-    def failed(self, now: float) -> None:
-        self.failures += 1
-        self.retry_at = now + min(MAX_BACKOFF_S, 0.1 * 2 ** self.failures)
-
-    def ok(self) -> None:
-        self.failures, self.retry_at = 0, 0.0
-
-
-@dataclass
-class _Timers:
-    heartbeat: float = 0.0
-    claim: float = 0.0
-    cancels: float = 0.0
-    depth: float = 0.0
-    reconcile: float = field(default_factory=time.time)
-
-
 class Worker:
     """Runs one engine for ``settings.model_name`` until :meth:`stop`.
 
@@ -103,21 +92,29 @@ class Worker:
         self.settings = s = settings
         self.worker_id = s.worker_id
         self.redis = redis_client or redis.Redis.from_url(
-            s.redis_url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5)
-        self.store = JobStore(sql_engine or make_engine(s.database_url))
+            s.redis_url, decode_responses=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+        self.store = JobStore(sql_engine or make_engine(
+            s.database_url, connect_timeout_s=SQL_CONNECT_TIMEOUT_S,
+            statement_timeout_s=SQL_STATEMENT_TIMEOUT_S))
         self.keys = Keys(s.key_prefix)
         self.queue = JobQueue(self.redis, s.model_name, self.keys)
         self.metrics = WorkerMetrics(s.model_name)
         self.engine = EngineThread(engine)
         self.engine_stats: Any = None
         self.held: dict[str, Held] = {}
+        self.outbox = Outbox(self.queue)
+        self.results = ResultWriter(self.store, self.worker_id, self.outbox, self.metrics)
+        self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S)
+        self.reconciler = ReconcilerThread(self.store, self.queue, self.worker_id,
+                                           s.reconcile_interval_s, s.reconcile_grace_s,
+                                           self.metrics)
         self._undecided: list[tuple[Delivery, JobSpec]] = []
-        self._unsaved: list[tuple[Outcome, Delivery | None]] = []
-        self._unacked: list[str] = []
-        self._decide_backoff = _Backoff()
-        self._save_backoff = _Backoff()
-        self._redis_backoff = _Backoff()
-        self._timers = _Timers()
+        self._own_backlog: list[str] = []  # entries pending on our name from a past process
+        self._live: set[str] = set()  # live workers as of the last pull
+        self._decide_backoff = Backoff()
+        self._redis_backoff = Backoff()
+        self._claim_at = self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()
         self._drain_until: float | None = None
         self._no_drain = False
@@ -141,7 +138,12 @@ class Worker:
     def run(self) -> int:
         """Work until stopped; returns the process exit code (1 if the engine crashed)."""
         self.queue.ensure_group()
-        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms)
+        self._own_backlog = self.queue.own_pending(self.worker_id)
+        if self._own_backlog:
+            log.info("taking back %d jobs left pending under %s", len(self._own_backlog),
+                     self.worker_id)
+        self.heartbeat.start()
+        self.reconciler.start()
         self.engine.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
         try:
@@ -150,6 +152,7 @@ class Worker:
                     self._drain_until = 0.0
                 if self._stop.is_set() and self._drain_until is None:
                     self._drain_until = time.time() + self.settings.drain_timeout_s
+                    self.reconciler.stop()
                     log.info("draining %d jobs (up to %.0fs)", len(self.held),
                              self.settings.drain_timeout_s)
                 if self.draining and not self._busy():
@@ -165,9 +168,11 @@ class Worker:
             self._close()
 
     def _busy(self) -> bool:
-        return bool(self.held or self._undecided or self._unsaved or self._unacked)
+        return bool(self.held or self._undecided or self.results or self.outbox)
 
     def _close(self) -> None:
+        self.reconciler.stop()
+        self.heartbeat.stop()
         self.engine.stop()
         with contextlib.suppress(redis.RedisError):
             if self._pubsub is not None:
@@ -179,40 +184,36 @@ class Worker:
     def tick(self) -> bool:
         """One pass of the loop; False if the engine crashed."""
         now = time.time()
+        self.heartbeat.progress()
+        self._redis_io(now, self._pull_pass)
+        self._decide(now)
+        self._expire_overdue(now)
+        if not self._collect(wait_s=self.settings.poll_interval_ms / 1000 if self.held else 0):
+            return False
+        self.results.flush()
+        self._redis_io(time.time(), lambda _now: self.outbox.flush())
+        return True
+
+    def _redis_io(self, now: float, step: Any) -> None:
+        if not self._redis_backoff.ready(now):
+            return
         try:
-            if self._redis_backoff.ready(now):
-                self._redis_io(now)
-                self._redis_backoff.ok()
+            step(now)
+            self._redis_backoff.ok()
         except redis.RedisError as exc:
             self._redis_backoff.failed(now)
             log.warning("redis unavailable (%s); retrying in %.1fs", exc,
                         self._redis_backoff.retry_at - now)
-        self._expire_overdue(now)
-        if not self._collect(wait_s=self.settings.poll_interval_ms / 1000 if self.held else 0):
-            return False
-        self._persist()
-        return True
 
-    def _redis_io(self, now: float) -> None:
-        t = self._timers
-        if now >= t.heartbeat:
-            self.queue.heartbeat(self.worker_id, self.lease_ttl_ms)
-            t.heartbeat = now + self.settings.lease_ttl_s / 3
-        if self._unacked:
-            self.queue.ack(self._unacked)
-            self._unacked = []
+    def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
         if not self.draining:
             self._pull(now)
-        self._decide()
-        if now >= t.depth:
+        if now >= self._depth_at:
             waiting, _ = self.queue.depth()
             self.metrics.queue_depth.set(waiting)
             self.metrics.in_flight.set(len(self.held))
-            t.depth = now + DEPTH_INTERVAL_S
-        if now >= t.reconcile and not self.draining:
-            t.reconcile = now + self.settings.reconcile_interval_s
-            self._reconcile()
+            self._depth_at = now + DEPTH_INTERVAL_S
 
     # -- pull and decide ---------------------------------------------------------------------
 
@@ -220,7 +221,7 @@ class Worker:
         """How many more jobs to hold: the engine's slots plus a small waiting buffer."""
         s = self.settings
         # Unsaved results still hold their stream entries: a database outage stops the pull.
-        free = s.capacity - len(self.held) - len(self._undecided) - len(self._unsaved)
+        free = s.capacity - len(self.held) - len(self._undecided) - len(self.results)
         if self.engine_stats is not None and self.engine_stats.num_waiting > s.waiting_buffer:
             return 0  # the engine cannot admit what it has (KV pressure)
         return max(free, 0)
@@ -230,19 +231,22 @@ class Worker:
         if count <= 0:
             return
         deliveries: list[Delivery] = []
-        if now >= self._timers.claim:
-            deliveries = self.queue.claim_orphans(self.worker_id, count,
-                                                  min_idle_ms=self.lease_ttl_ms // 2)
-            self._timers.claim = now + self.settings.lease_ttl_s / 3
-        idle = not self.held and not self._unsaved and not deliveries
+        if self._own_backlog:  # ours from before a restart: XREADGROUP > never returns them
+            ids, self._own_backlog = self._own_backlog[:count], self._own_backlog[count:]
+            deliveries = self.queue.claim(self.worker_id, ids)[0]
+        if now >= self._claim_at and len(deliveries) < count:
+            deliveries += self.queue.claim_orphans(self.worker_id, count - len(deliveries),
+                                                   min_idle_ms=self.lease_ttl_ms // 2)
+            self._claim_at = now + self.settings.lease_ttl_s / 3
+        idle = not self.held and not self.results and not deliveries
         deliveries += self.queue.read(self.worker_id, count - len(deliveries),
                                       block_ms=IDLE_BLOCK_MS if idle else None)
         if deliveries:
+            self._live = self.queue.live_workers()
             self._accept(deliveries)
 
     def _accept(self, deliveries: list[Delivery]) -> None:
         now = time.time()
-        dead: list[tuple[Delivery, str]] = []
         seen = {spec.id for _, spec in self._undecided} | set(self.held)
         for d in deliveries:
             try:
@@ -250,64 +254,54 @@ class Worker:
                 if spec.id != d.job_id:
                     raise ValueError(f"entry id field {d.job_id!r} != job id {spec.id!r}")
             except ValueError as exc:
-                reason = f"malformed job message: {_short(exc)}"
+                reason = f"malformed job message: {short_error(exc)}"
                 if d.job_id and _valid_id(d.job_id):
-                    self._unsaved.append((Outcome(d.job_id, JobStatus.FAILED, now,
-                                                  error=reason), d))
+                    self.results.add(Outcome(d.job_id, JobStatus.FAILED, now, error=reason), d)
                 else:
-                    dead.append((d, reason))
+                    self.outbox.dead_letter(d, reason)
+                    log.warning("dead-lettered an unreadable message (%s)", d.entry_id)
                 continue
             if spec.model != self.settings.model_name:
                 error = (f"unknown model {spec.model!r}: this queue is served by "
                          f"{self.settings.model_name!r}")
-                self._unsaved.append((Outcome(spec.id, JobStatus.FAILED, now, error=error), d))
+                self.results.add(Outcome(spec.id, JobStatus.FAILED, now, error=error), d)
             elif spec.id in seen:  # a second copy (e.g. re-enqueued); the first one runs
-                self._unacked.append(d.entry_id)
+                self.outbox.ack([d.entry_id])
             else:
                 seen.add(spec.id)
                 self._undecided.append((d, spec))
-        if dead:
-            self.queue.dead_letter([d for d, _ in dead], [r for _, r in dead])
-            log.warning("dead-lettered %d unreadable messages", len(dead))
 
-    def _decide(self) -> None:
+    def _decide(self, now: float) -> None:
         """Count the deliveries in SQL and act on each job's :class:`Decision`."""
-        now = time.time()
         if not self._undecided or not self._decide_backoff.ready(now):
             return
         batch = self._undecided
         try:
             decisions = self.store.begin_deliveries(
                 [spec.id for _, spec in batch], self.worker_id,
-                self.settings.max_deliveries, now)
+                self.settings.max_deliveries, now, live_workers=self._live)
         except SQLAlchemyError as exc:
             self._decide_backoff.failed(now)
-            log.warning("database unavailable (%s); holding %d deliveries", _short(exc),
-                        len(batch))
+            log.log(logging.WARNING if is_outage(exc) else logging.ERROR,
+                    "could not record %d deliveries (%s); retrying", len(batch),
+                    short_error(exc))
             return
         self._decide_backoff.ok()
         self._undecided = []
-        ack: list[str] = []
-        dead: list[Delivery] = []
-        done: list[tuple[str, str]] = []
+        dead_reason = f"delivered more than {self.settings.max_deliveries} times"
         for d, spec in batch:
             decision = decisions[spec.id]
             if decision is Decision.RUN:
                 self._admit(d, spec)
                 continue
             if decision is Decision.DEAD:
-                dead.append(d)
+                self.outbox.dead_letter(d, dead_reason)
             else:
-                ack.append(d.entry_id)
+                self.outbox.ack([d.entry_id])
             if decision is not Decision.SKIP:
-                done.append((spec.id, _DECISION_STATUS[decision].value))
-                self.metrics.job_finished(_DECISION_STATUS[decision].value)
-        if dead:
-            self.queue.dead_letter(
-                dead, [f"delivered more than {self.settings.max_deliveries} times"] * len(dead))
-        self._unacked += ack
-        if done:
-            self.queue.publish_done(done)
+                status = _DECISION_STATUS[decision].value
+                self.outbox.notify(spec.id, status)
+                self.metrics.job_finished(status)
 
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
         from engine import SamplingParams
@@ -315,8 +309,8 @@ class Worker:
         try:
             params = SamplingParams(**spec.sampling.model_dump())
         except (ValueError, TypeError) as exc:
-            self._unsaved.append((Outcome(spec.id, JobStatus.FAILED, time.time(),
-                                          error=f"invalid sampling parameters: {exc}"), d))
+            self.results.add(Outcome(spec.id, JobStatus.FAILED, time.time(),
+                                     error=f"invalid sampling parameters: {exc}"), d)
             return
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
         self.engine.commands.put(Add(spec.id, spec.engine_prompt(), params, spec.priority))
@@ -330,10 +324,10 @@ class Worker:
         while (msg := self._pubsub.get_message(timeout=0)) is not None:
             if msg.get("type") == "message":
                 self._abort(msg["data"], JobStatus.CANCELLED)
-        if now >= self._timers.cancels and self.held:  # messages can be missed; keys cannot
+        if now >= self._cancels_at and self.held:  # messages can be missed; keys cannot
             for job_id in self.queue.cancel_requested(list(self.held)):
                 self._abort(job_id, JobStatus.CANCELLED)
-            self._timers.cancels = now + CANCEL_POLL_INTERVAL_S
+            self._cancels_at = now + CANCEL_POLL_INTERVAL_S
 
     def _expire_overdue(self, now: float) -> None:
         for job_id, h in self.held.items():
@@ -361,8 +355,8 @@ class Worker:
             if isinstance(event, Rejected):
                 h = self.held.pop(event.job_id, None)
                 if h is not None:
-                    self._unsaved.append((Outcome(event.job_id, JobStatus.FAILED, time.time(),
-                                                  error=f"rejected: {event.error}"), h.delivery))
+                    self.results.add(Outcome(event.job_id, JobStatus.FAILED, time.time(),
+                                             error=f"rejected: {event.error}"), h.delivery)
             elif isinstance(event, Stepped):
                 self._on_step(event)
             try:
@@ -387,7 +381,7 @@ class Worker:
                 h.tokens_seen, h.last_token_s = n_tokens, ev.time_s
             if out.finished:
                 del self.held[out.request_id]
-                self._unsaved.append((self._outcome(h, out), h.delivery))
+                self.results.add(self._outcome(h, out), h.delivery)
 
     def _outcome(self, h: Held, out: Any) -> Outcome:
         outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as)
@@ -399,83 +393,19 @@ class Worker:
                 hist.observe(value)
         return outcome
 
-    # -- persistence -------------------------------------------------------------------------
-
-    def _persist(self) -> None:
-        """Store finished jobs in one transaction, then ack them, then tell waiters."""
-        now = time.time()
-        if not self._unsaved or not self._save_backoff.ready(now):
-            return
-        batch = self._unsaved
-        try:
-            newly = self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
-        except (OperationalError, InterfaceError) as exc:
-            self._save_backoff.failed(now)
-            log.warning("database unavailable (%s); %d results wait, unacked", _short(exc),
-                        len(batch))
-            return
-        except SQLAlchemyError as exc:  # maybe one result the database refuses: isolate it
-            newly = self._persist_one_by_one(batch, exc)
-            if newly is None:
-                return
-        self._save_backoff.ok()
-        self._unsaved = self._unsaved[len(batch):]
-        self._unacked += [d.entry_id for _, d in batch if d is not None]
-        done = [(o.job_id, o.status.value) for o, _ in batch if o.job_id in newly]
-        for _, status in done:
-            self.metrics.job_finished(status)
-        try:
-            self.queue.ack(self._unacked)
-            self._unacked = []
-            self.queue.publish_done(done)
-        except redis.RedisError as exc:  # acks are retried next tick; waiters also poll SQL
-            log.warning("ack/publish failed (%s)", exc)
-
-    def _persist_one_by_one(self, batch: list[tuple[Outcome, Delivery | None]],
-                            batch_error: SQLAlchemyError) -> set[str] | None:
-        """Store outcomes singly; one the database rejects is stored as a failure carrying
-        the reason. None (retry later) if even that fails: then it is an outage after all."""
-        newly: set[str] = set()
-        try:
-            for outcome, _ in batch:
-                try:
-                    newly |= self.store.finish([outcome], worker_id=self.worker_id)
-                except (OperationalError, InterfaceError):
-                    raise
-                except SQLAlchemyError as exc:
-                    log.error("result of job %s rejected by the database: %s", outcome.job_id,
-                              _short(exc))
-                    failed = Outcome(outcome.job_id, JobStatus.FAILED, outcome.finished_at,
-                                     error=f"could not store the result: {_short(exc)}",
-                                     stats=outcome.stats)
-                    newly |= self.store.finish([failed], worker_id=self.worker_id)
-        except SQLAlchemyError as exc:
-            self._save_backoff.failed(time.time())
-            log.warning("database unavailable (%s / %s); %d results wait, unacked",
-                        _short(batch_error), _short(exc), len(batch))
-            return None
-        return newly
-
-    # -- maintenance -------------------------------------------------------------------------
-
-    def _reconcile(self) -> None:
-        s = self.settings
-        lock = self.redis.set(self.keys.reconcile_lock(s.model_name), self.worker_id, nx=True,
-                              px=int(s.reconcile_interval_s * 1000))
-        if not lock:
-            return
-        try:
-            report = reconcile(self.store, self.queue, s.reconcile_grace_s)
-        except SQLAlchemyError as exc:
-            log.warning("reconciler skipped: %s", _short(exc))
-            return
-        for _ in report.expired:
-            self.metrics.job_finished(JobStatus.EXPIRED.value)
+    # -- giving jobs back --------------------------------------------------------------------
 
     def _hand_back(self, count_attempt: bool = False) -> None:
-        """Give unfinished jobs back: abort them in the engine, mark them queued (without
+        """Give unfinished jobs back: first store what already finished (a graceful stop must
+        not throw results away), then abort the rest in the engine, mark them queued (without
         counting the attempt, unless we crashed), and end our lease so live workers claim
         their stream entries now."""
+        if not count_attempt:
+            self._collect(wait_s=0)
+        self.results.backoff.ok()
+        self.results.flush()
+        self._redis_backoff.ok()
+        self._redis_io(time.time(), lambda _now: self.outbox.flush())
         ids = list(self.held)
         for job_id in ids:
             self.engine.commands.put(Abort(job_id))
@@ -484,8 +414,10 @@ class Worker:
             try:
                 self.store.release(ids, self.worker_id)
             except SQLAlchemyError as exc:
-                log.warning("could not release %d jobs in SQL: %s", len(ids), _short(exc))
-        log.info("handed back %d jobs", len(ids) + len(self._undecided))
+                log.warning("could not release %d jobs in SQL: %s", len(ids), short_error(exc))
+        log.info("handed back %d jobs (%d results unsaved)", len(ids) + len(self._undecided),
+                 len(self.results))
+        self.heartbeat.stop()
         with contextlib.suppress(redis.RedisError):
             self.queue.drop_heartbeat(self.worker_id)
 
@@ -494,16 +426,8 @@ _DECISION_STATUS = {
     Decision.DEAD: JobStatus.FAILED,
     Decision.EXPIRED: JobStatus.EXPIRED,
     Decision.CANCELLED: JobStatus.CANCELLED,
-    Decision.SKIP: JobStatus.SUCCEEDED,  # unused: skips publish nothing
 }
 
 
 def _valid_id(job_id: str) -> bool:
     return re.fullmatch(JOB_ID_PATTERN.strip("^$"), job_id) is not None
-
-
-def _short(exc: BaseException, limit: int = 500) -> str:
-    text = str(exc).strip().splitlines()
-    line = " ".join(text[:3]) if text else type(exc).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-

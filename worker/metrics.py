@@ -33,7 +33,9 @@ class WorkerMetrics:
 
         self.running = gauge("num_requests_running", "Requests running in the engine.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
-        self.swapped = gauge("num_requests_swapped", "Requests swapped to host memory.")
+        self.swapped = gauge(
+            "num_requests_swapped",
+            "Requests swapped to host memory: always 0, the engine preempts by recomputation.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.queue_depth = gauge("queue_depth", "Jobs in the model's stream, not yet delivered.")
         self.in_flight = gauge("jobs_in_flight", "Jobs this worker holds.")

@@ -32,7 +32,9 @@ class WorkerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = DEFAULT_DATABASE_URL
     key_prefix: str = DEFAULT_KEY_PREFIX
-    worker_id: str = Field(default_factory=default_worker_id)
+    # The jobs.worker_id column holds 128 characters; the id also names Redis keys.
+    worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128,
+                           pattern=r"^[^\s]+$")
     metrics_port: int | None = Field(None, description="serve Prometheus /metrics on this port")
     # Engine.
     dtype: str = "float32"

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import sqlalchemy as sa
-
 from alembic.script import ScriptDirectory
 
 from jobs import db

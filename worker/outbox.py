@@ -1,0 +1,45 @@
+"""Redis writes the worker owes: acks, dead letters and completion notices.
+
+Each is queued here *before* any Redis I/O and removed only once Redis took it, so a Redis
+failure in the middle of a pass delays them but never drops one (a dropped ack would leave
+the entry pending forever; a dropped notice would leave a waiter polling).
+"""
+
+from __future__ import annotations
+
+from jobs.queue import Delivery, JobQueue
+
+
+class Outbox:
+    def __init__(self, queue: JobQueue) -> None:
+        self.queue = queue
+        self.acks: list[str] = []
+        self.dead: list[tuple[Delivery, str]] = []
+        self.done: list[tuple[str, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.acks or self.dead or self.done)
+
+    def ack(self, entry_ids: list[str]) -> None:
+        self.acks += entry_ids
+
+    def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        self.dead.append((delivery, reason))
+
+    def notify(self, job_id: str, status: str) -> None:
+        self.done.append((job_id, status))
+
+    def flush(self) -> None:
+        """Send everything; raises ``redis.RedisError`` with the unsent part still queued."""
+        if self.dead:
+            dead = self.dead
+            self.queue.dead_letter([d for d, _ in dead], [r for _, r in dead])
+            self.dead = self.dead[len(dead):]
+        if self.acks:
+            acks = self.acks
+            self.queue.ack(acks)
+            self.acks = self.acks[len(acks):]
+        if self.done:
+            done = self.done
+            self.queue.publish_done(done)
+            self.done = self.done[len(done):]
