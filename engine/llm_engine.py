@@ -16,7 +16,8 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestOutput
+from engine.processor import Processor, Prompt
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestMetrics, Sequence
@@ -24,9 +25,6 @@ from kernels import get_ops, resolve_backend
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int] | list[dict[str, str]]
-# Tokens decoded past the longest stop string when looking for it in new output.
-_STOP_WINDOW_EXTRA_TOKENS = 8
 
 
 @dataclass
@@ -97,6 +95,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, kv_caches, config.block_size, self.info.eos_token_ids, config.seed
         )
+        self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
@@ -132,7 +131,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt)
+        token_ids = self.processor.tokenize(prompt)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         seq = Sequence(
@@ -177,7 +176,7 @@ class LLMEngine:
 
         stopped: dict[str, list[Sequence]] = {}
         for seq in progressed:
-            reason = self._stop_reason(seq)
+            reason = self.processor.stop_reason(seq)
             if reason is not None:
                 stopped.setdefault(reason, []).append(seq)
         for reason, seqs in stopped.items():
@@ -225,7 +224,7 @@ class LLMEngine:
             try:
                 self.add_request(request_id, prompt, p)
             except ValueError as exc:
-                results[request_id] = self._error_output(request_id, str(exc))
+                results[request_id] = Processor.error_output(request_id, str(exc))
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")
         bar.update(len(results))
         while self.has_unfinished_requests():
@@ -235,6 +234,11 @@ class LLMEngine:
                     bar.update(1)
         bar.close()
         return [results[i] for i in ids]
+
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        return self.processor.output(
+            req.request_id, req.prompt_token_ids, req.seqs, req.metrics, finished
+        )
 
     def stats(self) -> EngineStats:
         c = self.scheduler.counters
@@ -253,108 +257,6 @@ class LLMEngine:
             num_generated_tokens=c.num_generated_tokens,
             num_steps=c.num_steps,
             num_batched_tokens=c.num_batched_tokens,
-        )
-
-    # -- helpers -------------------------------------------------------------------------
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            for m in prompt:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError("each chat message needs string 'role' and 'content'")
-            text = self.tokenizer.apply_chat_template(
-                prompt, add_generation_prompt=True, tokenize=False
-            )
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"token ids outside the vocabulary [0, {self.info.vocab_size}): {bad[:5]}"
-                )
-        else:
-            raise ValueError("prompt must be a string, a list of token ids or chat messages")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        if len(token_ids) >= self.info.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len {self.info.max_model_len} "
-                "leaves no room to generate"
-            )
-        return token_ids
-
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        p = seq.params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            last = seq.token_ids[-1]
-            if (not p.ignore_eos and last in self.info.eos_token_ids) or (
-                last in p.stop_token_ids
-            ):
-                return "stop"
-            if p.stop and self._find_stop(seq.output_token_ids, p.stop, tail=True) is not None:
-                return "stop"
-        if n_out >= p.max_tokens or seq.num_tokens >= self.info.max_model_len:
-            return "length"
-        return None
-
-    def _find_stop(self, token_ids: list[int], stops: Seq[str], tail: bool) -> int | None:
-        """Index in the decoded text where the first stop string starts, if any."""
-        if tail:
-            window = max(len(s) for s in stops) + _STOP_WINDOW_EXTRA_TOKENS
-            token_ids = token_ids[-window:]
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _output(self, req: _Request, finished: bool) -> RequestOutput:
-        completions = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            out_ids = seq.output_token_ids
-            text = ""
-            if seq.is_finished:
-                text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-                if seq.finish_reason == "stop" and seq.params.stop:
-                    cut = self._find_stop(out_ids, seq.params.stop, tail=False)
-                    text = text if cut is None else text[:cut]
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    token_ids=out_ids,
-                    text=text,
-                    finish_reason=seq.finish_reason,
-                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                )
-            )
-        m = req.metrics
-        if finished:
-            m.finish_time = time.monotonic()
-            m.num_generated_tokens = sum(len(c.token_ids) for c in completions)
-            m.peak_kv_bytes = m.peak_kv_blocks * self.info.kv_bytes_per_block
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=m,
-        )
-
-    def _error_output(self, request_id: str, error: str) -> RequestOutput:
-        now = time.monotonic()
-        return RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=[],
-            outputs=[CompletionOutput(index=0, token_ids=[], finish_reason="error")],
-            finished=True,
-            metrics=RequestMetrics(arrival_time=now, finish_time=now),
-            error=error,
         )
 
 
