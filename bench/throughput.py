@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="transformers static batch")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="kvbatch KV pool")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="where to write the JSON (default bench/out/)")
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
     ))
     shape = model_shape(engine)
     model_dir = resolve_model_dir(args.model)
