@@ -267,6 +267,9 @@ def _max_model_len(config: EngineConfig, hf_config: object) -> int:
         # Full attention equals sliding-window attention up to the window; beyond it the
         # engine would compute something else, so it does not go there.
         model_max = min(model_max, int(window))
+    if not config.enable_chunked_prefill:
+        # A prompt must then fit in one step's token budget.
+        model_max = min(model_max, config.max_num_batched_tokens)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:

@@ -23,6 +23,9 @@ ENGINE_VARIANTS = {
     "default": dict(num_kv_blocks=128, max_num_batched_tokens=512),
     "no-prefix-cache": dict(num_kv_blocks=128, enable_prefix_caching=False),
     "chunked-budget-7": dict(num_kv_blocks=128, max_num_batched_tokens=7),
+    "no-chunked-prefill": dict(
+        num_kv_blocks=128, enable_chunked_prefill=False, max_num_batched_tokens=100
+    ),
     # 10 blocks of 16 tokens for 6 sequences of up to 80 tokens: preemption is unavoidable.
     "preempting": dict(num_kv_blocks=10, max_num_batched_tokens=64),
     "block-size-8": dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=33),
@@ -79,5 +82,7 @@ def test_engine_variants_match_transformers(tiny_model: Path, variant: str) -> N
         assert sum(o.metrics.num_preemptions for o in outputs) == stats.num_preemptions
     if variant == "chunked-budget-7":
         assert stats.num_batched_tokens <= 7 * stats.num_steps
+    if variant == "no-chunked-prefill":
+        assert engine.info.max_model_len == 100  # a prompt must fit in one step
     if variant == "no-prefix-cache":
         assert stats.prefix_cache_hits == 0
