@@ -1,13 +1,22 @@
 # syntax=docker/dockerfile:1
 # The kvbatch image: worker (GPU), control plane and migrations share it.
 #   docker compose build            # or: docker build -t kvbatch .
-# CUDA_IMAGE, TORCH_VERSION and TORCH_INDEX_URL must agree on the CUDA version (the torch wheel
-# brings its own CUDA libraries; the host needs a driver at least that new).
+# Build arguments (docker compose build --build-arg NAME=value, or `args:` in the compose file):
+#   TORCH_VERSION    the torch release, from PyPI by default: PyPI's Linux x86_64 torch wheels
+#                    are CUDA builds that bring their own CUDA runtime libraries, so the only
+#                    requirement on the host is an NVIDIA driver new enough for that CUDA
+#                    (`nvidia-smi` prints the newest CUDA the driver supports). 2.13.0 is the
+#                    release the project is tested with.
+#   TORCH_INDEX_URL  empty (PyPI), or a PyTorch index for another CUDA build, e.g.
+#                    https://download.pytorch.org/whl/cu126 for older drivers; the version must
+#                    exist on that index.
+#   CUDA_IMAGE       the base image; torch does not use its CUDA libraries, it only provides
+#                    the NVIDIA container settings and a matching userland.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 FROM ${CUDA_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TORCH_INDEX_URL=
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
@@ -24,8 +33,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 
-# torch first, from the CUDA index, so the project's `torch>=2.4` is already satisfied.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# torch first, so the project's `torch>=2.4` is already satisfied by the pinned CUDA build.
+RUN pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"} \
+    && python -c "import torch; assert torch.version.cuda, 'torch ' + torch.__version__ + ' is a CPU build'"
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -11,7 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -260,9 +260,10 @@ class JobStore:
 
     def expire_past_deadline(self, now_s: float, running_grace_s: float,
                              limit: int = 1000) -> list[tuple[str, str]]:
-        """Expire jobs of every model whose deadline passed: queued ones at once, running ones
-        ``running_grace_s`` later (their worker aborts them itself at the deadline; past the
-        grace it is presumably gone). Returns (id, status before) of each job expired now."""
+        """Expire up to ``limit`` jobs of every model whose deadline passed: queued ones at
+        once, running ones ``running_grace_s`` later (their worker aborts them itself at the
+        deadline; past the grace it is presumably gone). Returns (id, status before) of each job
+        expired now; call again while it returns ``limit`` jobs."""
         queued_cut, running_cut = to_dt(now_s), to_dt(now_s - running_grace_s)
         with Session(self.engine) as session, session.begin():
             rows = session.execute(
@@ -273,15 +274,15 @@ class JobStore:
                        & (Job.deadline_at <= running_cut)),
                 ).limit(limit).with_for_update(skip_locked=True)
             ).all()
-            return [
-                (row.id, row.status) for row in rows
-                if _terminalize(session, Outcome(row.id, JobStatus.EXPIRED, now_s,
-                                                 error=_EXPIRED_ERROR[row.status]))
-            ]
+            return _end_many(session, [(r.id, r.status, _EXPIRED_ERROR[r.status]) for r in rows],
+                             JobStatus.EXPIRED, now_s)
 
-    def expire_batches(self, now_s: float) -> dict[str, list[tuple[str, str]]]:
+    def expire_batches(self, now_s: float, limit: int = 1000) -> dict[str, list[tuple[str, str]]]:
         """Batches still in progress whose deadline passed become ``expired`` with every active
-        job in them, one transaction per batch. Returns batch id -> (job id, status before)."""
+        job in them. ``limit`` jobs per transaction; the batch's status changes in the
+        transaction that expires its last active jobs, so a crash midway leaves it in progress
+        (and past its deadline: the next run carries on). Returns batch id -> (job id, status
+        before)."""
         with Session(self.engine) as session:
             batch_ids = session.scalars(
                 select(Batch.id).where(Batch.status == BATCH_IN_PROGRESS,
@@ -290,45 +291,60 @@ class JobStore:
             ).all()
         expired: dict[str, list[tuple[str, str]]] = {}
         for batch_id in batch_ids:
-            with Session(self.engine) as session, session.begin():
-                res = session.execute(
-                    update(Batch).where(Batch.id == batch_id, Batch.status == BATCH_IN_PROGRESS)
-                    .values(status=BATCH_EXPIRED, completed_at=to_dt(now_s))
-                )
-                if res.rowcount != 1:
-                    continue  # completed or expired by someone else meanwhile
-                rows = session.execute(
-                    select(Job.id, Job.status)
-                    .where(Job.batch_id == batch_id, Job.status.in_(_ACTIVE))
-                    .with_for_update()
-                ).all()
-                expired[batch_id] = [
-                    (row.id, row.status) for row in rows
-                    if _terminalize(session, Outcome(row.id, JobStatus.EXPIRED, now_s,
-                                                     error="batch deadline passed"))
-                ]
+            done: list[tuple[str, str]] = []
+            while True:
+                with Session(self.engine) as session, session.begin():
+                    rows = session.execute(
+                        select(Job.id, Job.status)
+                        .where(Job.batch_id == batch_id, Job.status.in_(_ACTIVE))
+                        .order_by(Job.id).limit(limit).with_for_update()
+                    ).all()
+                    done += _end_many(session, [(r.id, r.status, "batch deadline passed")
+                                                for r in rows], JobStatus.EXPIRED, now_s)
+                    if len(rows) < limit:
+                        res = session.execute(
+                            update(Batch)
+                            .where(Batch.id == batch_id, Batch.status == BATCH_IN_PROGRESS)
+                            .values(status=BATCH_EXPIRED, completed_at=to_dt(now_s))
+                        )
+                        if res.rowcount == 1:
+                            expired[batch_id] = done
+                        break
         return expired
 
-    def reap_overdelivered(self, max_deliveries: int, live_workers: set[str], now_s: float,
-                           limit: int = 1000) -> list[tuple[str, str, int]]:
+    def reap_overdelivered(self, max_deliveries: int, live_workers: Callable[[], set[str]],
+                           now_s: float, limit: int = 1000,
+                           after_id: str = "") -> tuple[list[tuple[str, str, int]], str | None]:
         """Fail active jobs that used up their deliveries and are on no live worker: queued, or
         running on a worker whose heartbeat is gone. Their next delivery would dead-letter them;
-        this does it when no worker is left to pull them. Returns (id, model, attempts)."""
+        this does it when no worker is left to pull them. Looks at ``limit`` candidates with ids
+        after ``after_id``; ``live_workers()`` is asked after they are locked, so a worker that
+        took one of them just before still counts as live. Returns (id, model, attempts) of the
+        reaped jobs, and the ``after_id`` of the next page (None: no more candidates)."""
         with Session(self.engine) as session, session.begin():
             rows = session.execute(
                 select(Job.id, Job.model, Job.status, Job.attempts, Job.worker_id)
-                .where(Job.status.in_(_ACTIVE), Job.attempts >= max_deliveries)
-                .limit(limit).with_for_update(skip_locked=True)
+                .where(Job.status.in_(_ACTIVE), Job.attempts >= max_deliveries,
+                       Job.id > after_id)
+                .order_by(Job.id).limit(limit).with_for_update(skip_locked=True)
             ).all()
-            reaped = []
-            for row in rows:
-                if row.status == JobStatus.RUNNING.value and row.worker_id in live_workers:
-                    continue  # its last allowed delivery is still running
-                error = (f"dead-lettered: delivered {row.attempts} times (limit "
-                         f"{max_deliveries}) without finishing; reaped by the control plane")
-                if _terminalize(session, Outcome(row.id, JobStatus.FAILED, now_s, error=error)):
-                    reaped.append((row.id, row.model, row.attempts))
-            return reaped
+            if not rows:
+                return [], None
+            live = live_workers() if any(r.status == JobStatus.RUNNING.value
+                                         for r in rows) else set()
+            candidates = {
+                row.id: row for row in rows
+                # A running job on a live worker: its last allowed delivery is still running.
+                if not (row.status == JobStatus.RUNNING.value and row.worker_id in live)
+            }
+            ended = _end_many(session, [
+                (row.id, row.status, f"dead-lettered: delivered {row.attempts} times (limit "
+                                     f"{max_deliveries}) without finishing; reaped by the "
+                                     f"control plane")
+                for row in candidates.values()], JobStatus.FAILED, now_s)
+            reaped = [(job_id, candidates[job_id].model, candidates[job_id].attempts)
+                      for job_id, _ in ended]
+            return reaped, (rows[-1].id if len(rows) == limit else None)
 
     def purge_results(self, finished_before_s: float, limit: int = 1000) -> int:
         """Drop the result payload (text, token ids, logprobs, choices) of up to ``limit``
@@ -462,6 +478,29 @@ def _terminalize(session: Session, outcome: Outcome, worker_id: str | None = Non
     stats = outcome.stats or JobStats()
     session.execute(insert(JobMetrics).values(job_id=outcome.job_id, **stats.model_dump()))
     return True
+
+
+def _end_many(session: Session, rows: Sequence[tuple[str, str, str]], status: JobStatus,
+              now_s: float) -> list[tuple[str, str]]:
+    """Move many active jobs, given as (id, status before, error), to ``status`` with a
+    metrics row each, in a few statements (one per distinct error, one insert); the control
+    plane's bulk counterpart of :func:`_terminalize`. Returns (id, status before) of the jobs
+    that were still active."""
+    before = {job_id: prior for job_id, prior, _ in rows}
+    by_error: dict[str, list[str]] = {}
+    for job_id, _, error in rows:
+        by_error.setdefault(error, []).append(job_id)
+    ended: list[str] = []
+    for error, ids in by_error.items():
+        ended += session.scalars(
+            update(Job).where(Job.id.in_(ids), Job.status.in_(_ACTIVE))
+            .values(status=status.value, finished_at=to_dt(now_s), error=_text(error))
+            .returning(Job.id).execution_options(synchronize_session=False)
+        ).all()
+    if ended:
+        empty = JobStats().model_dump()
+        session.execute(insert(JobMetrics), [{"job_id": job_id, **empty} for job_id in ended])
+    return sorted((job_id, before[job_id]) for job_id in ended)
 
 
 def _text(value: str | None) -> str | None:

@@ -6,10 +6,15 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Bucket edges in seconds, as vLLM's.
+# Bucket edges in seconds: vLLM's up to 80 s, then up to a day, because TTFT, queue time and
+# end-to-end latency count from submission and batch jobs may wait hours in the queue.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0, 2560.0,
+                   5120.0, 10240.0, 21600.0, 43200.0, 86400.0)
+# Time between output tokens: milliseconds normally, seconds under preemption or a long prefill
+# of other sequences in the same step.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0, 30.0)
 
 
 class WorkerMetrics:

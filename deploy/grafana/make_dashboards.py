@@ -15,6 +15,9 @@ OUT = Path(__file__).resolve().parent / "dashboards"
 PROM = {"type": "prometheus", "uid": "kvbatch-prometheus"}
 PG = {"type": "grafana-postgresql-datasource", "uid": "kvbatch-postgres"}
 SEL = '{model_name=~"$model"}'
+FINISHED_BY_WORKERS = ("Jobs a worker finished (the workers' kvbatch:jobs_total). Jobs the "
+                       "control plane expired or reaped, and queued jobs cancelled before "
+                       "delivery, are not in it: see the PostgreSQL panel next to it.")
 RATE = "[$__rate_interval]"
 
 
@@ -41,8 +44,11 @@ def prom_panel(grid: Grid, pid: int, title: str, targets: list[tuple[str, str]],
         "datasource": PROM, "gridPos": grid.place(w, h),
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        # Stat and bar-gauge panels show one value per series: an instant query, not a range.
         "targets": [{"refId": chr(ord("A") + i), "datasource": PROM, "expr": expr,
-                     "legendFormat": legend} for i, (expr, legend) in enumerate(targets)],
+                     "legendFormat": legend, "instant": kind != "timeseries",
+                     "range": kind == "timeseries"}
+                    for i, (expr, legend) in enumerate(targets)],
     }
 
 
@@ -71,9 +77,9 @@ def overview() -> dict[str, Any]:
             (f"sum(rate(kvbatch:prompt_tokens_total{SEL}{RATE}))", "prompt tokens/s (computed)"),
             (f"sum(rate(kvbatch:generation_tokens_total{SEL}{RATE}))", "generated tokens/s"),
         ], "short", w=12),
-        prom_panel(g, 5, "Jobs finished by status", [
+        prom_panel(g, 5, "Jobs finished by workers, by status", [
             (f"sum by (status) (rate(kvbatch:jobs_total{SEL}{RATE}))", "{{status}}"),
-        ], "ops", w=12),
+        ], "ops", w=12, description=FINISHED_BY_WORKERS),
         prom_panel(g, 6, "Time to first token", quantiles("time_to_first_token_seconds", "TTFT"),
                    "s", description="From submission, so it includes the queue wait."),
         prom_panel(g, 7, "Inter-token latency",
@@ -94,9 +100,16 @@ def overview() -> dict[str, Any]:
              "{{instance}}"),
         ], "ops", description="Sustained preemptions: the KV budget is too small for "
                               "max_num_seqs."),
-        prom_panel(g, 12, "Jobs by terminal status (time range)", [
+        prom_panel(g, 12, "Jobs finished by workers (time range)", [
             (f"sum by (status) (increase(kvbatch:jobs_total{SEL}[$__range]))", "{{status}}"),
-        ], "short", kind="bargauge", w=24, h=6),
+        ], "short", kind="bargauge", w=12, h=7, description=FINISHED_BY_WORKERS),
+        sql_panel(g, 13, "Jobs by terminal status (time range, all models)", """
+            SELECT status, count(*) AS jobs
+            FROM job_stats WHERE $__timeFilter(finished_at)
+            GROUP BY status ORDER BY status""", "bargauge", w=12, h=7,
+                  description="Every job that reached a terminal status, from PostgreSQL: "
+                              "also those the control plane expired or reaped and queued jobs "
+                              "cancelled before any worker saw them."),
     ]
     variables = [{
         "name": "model", "label": "model", "type": "query", "datasource": PROM,
@@ -113,17 +126,31 @@ def overview() -> dict[str, Any]:
 def sql_panel(grid: Grid, pid: int, title: str, sql: str, kind: str, unit: str = "short",
               w: int = 12, h: int = 9, description: str = "") -> dict[str, Any]:
     fmt = "time_series" if kind == "timeseries" else "table"
+    # A bar gauge over a table: one bar per row, named by its text column.
+    options = ({"reduceOptions": {"values": True, "calcs": [], "fields": ""},
+                "orientation": "horizontal", "displayMode": "gradient"}
+               if kind == "bargauge" else {})
     return {
         "id": pid, "type": kind, "title": title, "description": description,
         "datasource": PG, "gridPos": grid.place(w, h),
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {},
+        "options": options,
         "targets": [{"refId": "A", "datasource": PG, "format": fmt, "rawQuery": True,
                      "editorMode": "code", "rawSql": " ".join(sql.split())}],
     }
 
 
-MODEL_FILTER = "model IN ($model)"
+# The Jobs dashboard's `model` variable: with "All" selected, Grafana inserts the custom all
+# value unquoted, and the filter lets every row through (even when no model is known yet, where
+# the list of all values would be empty and `IN ()` a syntax error).
+ALL_MODELS = "'__all'"
+
+
+def model_filter(column: str = "model") -> str:
+    return f"({ALL_MODELS} IN ($model) OR {column} IN ($model))"
+
+
+MODELS_SQL = "SELECT DISTINCT model FROM jobs ORDER BY 1"
 
 
 def jobs() -> dict[str, Any]:
@@ -139,7 +166,7 @@ def jobs() -> dict[str, Any]:
                    round(100.0 * count(s.job_id) / NULLIF(b.num_jobs, 0), 1) AS pct_done,
                    b.created_at, b.completed_at
             FROM batches b LEFT JOIN job_stats s ON s.batch_id = b.id
-            WHERE $__timeFilter(b.created_at) AND b.{MODEL_FILTER}
+            WHERE $__timeFilter(b.created_at) AND {model_filter('b.model')}
             GROUP BY b.id ORDER BY b.created_at DESC LIMIT 100""", "table", w=24,
                   description="Jobs of each batch that reached a terminal status."),
         sql_panel(g, 2, "Latency percentiles", f"""
@@ -150,46 +177,45 @@ def jobs() -> dict[str, Any]:
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY e2e_s) AS "e2e p99",
                    percentile_cont(0.5) WITHIN GROUP (ORDER BY tpot_s) AS "TPOT p50"
             FROM job_stats
-            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {MODEL_FILTER}
+            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {model_filter()}
             GROUP BY 1 ORDER BY 1""", "timeseries", unit="s"),
         sql_panel(g, 3, "Cached-token share", f"""
             SELECT $__timeGroupAlias(finished_at, $__interval),
                    sum(cached_prompt_tokens)::float / NULLIF(sum(prompt_tokens), 0)
                        AS "cached share of prompt tokens"
-            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {model_filter()}
             GROUP BY 1 ORDER BY 1""", "timeseries", unit="percentunit"),
         sql_panel(g, 4, "Peak KV bytes per job", f"""
             SELECT $__timeGroupAlias(finished_at, $__interval),
                    avg(peak_kv_bytes) AS "mean",
                    percentile_cont(0.99) WITHIN GROUP (ORDER BY peak_kv_bytes) AS "p99",
                    max(peak_kv_bytes) AS "max"
-            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {model_filter()}
             GROUP BY 1 ORDER BY 1""", "timeseries", unit="bytes"),
         sql_panel(g, 5, "Jobs finished per status", f"""
             SELECT $__timeGroupAlias(finished_at, $__interval), status AS metric,
                    count(*) AS value
-            FROM job_stats WHERE $__timeFilter(finished_at) AND {MODEL_FILTER}
+            FROM job_stats WHERE $__timeFilter(finished_at) AND {model_filter()}
             GROUP BY 1, 2 ORDER BY 1""", "timeseries"),
         sql_panel(g, 6, "Slowest jobs", f"""
             SELECT job_id, batch_id, model, e2e_s, ttft_s, queue_wait_s, prompt_tokens,
                    cached_prompt_tokens, generated_tokens, preemptions, peak_kv_bytes,
                    worker_id, finished_at
             FROM job_stats
-            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {MODEL_FILTER}
+            WHERE $__timeFilter(finished_at) AND status = 'succeeded' AND {model_filter()}
             ORDER BY e2e_s DESC NULLS LAST LIMIT 25""", "table", w=24),
         sql_panel(g, 7, "Failures with reasons", f"""
             SELECT s.status, left(j.error, 160) AS reason, count(*) AS jobs,
                    max(s.finished_at) AS last_seen
             FROM job_stats s JOIN jobs j ON j.id = s.job_id
             WHERE $__timeFilter(s.finished_at) AND s.status <> 'succeeded'
-                  AND s.{MODEL_FILTER}
+                  AND {model_filter('s.model')}
             GROUP BY 1, 2 ORDER BY jobs DESC LIMIT 50""", "table", w=24),
     ]
     variables = [{
         "name": "model", "label": "model", "type": "query", "datasource": PG,
-        "query": "SELECT DISTINCT model FROM job_stats ORDER BY 1",
-        "definition": "SELECT DISTINCT model FROM job_stats ORDER BY 1",
-        "includeAll": True, "multi": True, "refresh": 2,
+        "query": MODELS_SQL, "definition": MODELS_SQL,
+        "includeAll": True, "allValue": ALL_MODELS, "multi": True, "refresh": 2,
         "current": {"text": "All", "value": "$__all"},
     }]
     return dashboard("kvbatch-jobs", "kvbatch / Jobs", panels, variables, "1m", "now-24h")

@@ -16,8 +16,11 @@ from worker.control.settings import ControlSettings
 from worker.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"redis", "postgres", "migrate", "worker", "control", "prometheus", "grafana"}
+SERVICES = {"redis", "postgres", "migrate", "db-roles", "worker", "control", "prometheus",
+            "grafana"}
+ONE_SHOT = {"migrate", "db-roles"}  # run to completion, then exit
 KVBATCH = ("migrate", "worker", "control")
+REQUIRED = re.compile(r"\$\{(\w+):\?[^}]+\}")  # ${VAR:?message}: compose refuses to start unset
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def test_services_health_checks_and_restart_policies(compose: dict[str, Any]) ->
     services = compose["services"]
     assert set(services) == SERVICES
     for name, svc in services.items():
-        if name == "migrate":  # runs once: retried on failure, never restarted after success
+        if name in ONE_SHOT:  # runs once: retried on failure, never restarted after success
             assert svc["restart"].startswith("on-failure") and "healthcheck" not in svc
             continue
         assert svc["restart"] == "unless-stopped", name
@@ -118,9 +121,12 @@ def test_dockerfile_builds_a_cuda_torch_image_from_existing_files() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+", dockerfile, flags=re.M)
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", dockerfile, flags=re.M)
-    assert re.search(r"^ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu\d+",
-                     dockerfile, flags=re.M)
-    assert 'pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"' in dockerfile
+    # torch pinned, from PyPI unless TORCH_INDEX_URL names another index; a CPU build fails.
+    assert re.search(r"^ARG TORCH_VERSION=\d+\.\d+\.\d+$", dockerfile, flags=re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=$", dockerfile, flags=re.M)
+    assert ('pip install "torch==${TORCH_VERSION}" ${TORCH_INDEX_URL:+--index-url '
+            '"${TORCH_INDEX_URL}"}') in dockerfile
+    assert "assert torch.version.cuda" in dockerfile
     for line in re.findall(r"^COPY (.+)$", dockerfile, flags=re.M):
         for source in line.split()[:-1]:
             assert (ROOT / source).exists(), source
@@ -128,6 +134,47 @@ def test_dockerfile_builds_a_cuda_torch_image_from_existing_files() -> None:
     copied = {line.split()[0] for line in re.findall(r"^COPY (.+)$", dockerfile, flags=re.M)}
     assert not copied & set(ignored)
     assert '"kvbatch"]' in dockerfile and "EXPOSE 9400" in dockerfile
+
+
+def test_published_ports_listen_on_localhost_unless_chosen(compose: dict[str, Any]) -> None:
+    """Docker's published ports bypass host firewalls: nothing listens beyond the host by
+    default, and no password falls back to a default value."""
+    published = {name: svc["ports"] for name, svc in compose["services"].items()
+                 if "ports" in svc}
+    assert set(published) == {"redis", "postgres", "prometheus", "grafana"}
+    for name, ports in published.items():
+        for port in ports:
+            assert isinstance(port, str) and port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), name
+    text = (ROOT / "docker-compose.yml").read_text()
+    for secret in ("POSTGRES_PASSWORD", "GRAFANA_DB_PASSWORD", "GRAFANA_ADMIN_PASSWORD"):
+        uses = re.findall(r"\$\{" + secret + r"\b[^}]*\}", text)
+        assert uses and all(REQUIRED.fullmatch(u) for u in uses), (secret, uses)
+
+
+def test_postgres_health_check_uses_tcp(compose: dict[str, Any]) -> None:
+    # During first-start initialization the server listens on its Unix socket only.
+    test = compose["services"]["postgres"]["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and re.search(r"pg_isready -h 127\.0\.0\.1\b", test[1])
+
+
+def test_reader_role_is_applied_after_every_migration(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    roles = services["db-roles"]
+    assert roles["image"] == services["postgres"]["image"]
+    assert roles["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert roles["depends_on"]["postgres"]["condition"] == "service_healthy"
+    sql_dir = {t: s for s, t in mounts(roles)}["/sql"]
+    script = next(a for a in roles["command"] if a.startswith("--file=")).split("=", 1)[1]
+    assert (ROOT / sql_dir / Path(script).relative_to("/sql")).is_file()
+    assert "--set=ON_ERROR_STOP=1" in roles["command"]
+    # The script reads the role's name and password from the environment (\getenv).
+    sql = (ROOT / sql_dir / Path(script).relative_to("/sql")).read_text()
+    for var in re.findall(r"^\\getenv \w+ (\w+)$", sql, flags=re.M):
+        assert var in roles["environment"], var
+    grafana = services["grafana"]
+    assert grafana["depends_on"]["db-roles"]["condition"] == "service_completed_successfully"
+    assert (roles["environment"]["GRAFANA_DB_USER"]
+            == grafana["environment"]["GRAFANA_DB_USER"])
 
 
 def test_prometheus_scrapes_every_worker_on_its_metrics_port(compose: dict[str, Any]) -> None:
@@ -170,8 +217,3 @@ def test_grafana_provisioning_is_mounted_and_complete(compose: dict[str, Any]) -
         "kvbatch-jobs.json", "kvbatch-overview.json"]
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (dashboards / Path(home).relative_to(path)).is_file()
-    # The read-only role the PostgreSQL datasource logs in as is created on first start.
-    postgres = compose["services"]["postgres"]
-    initdb = {t: s for s, t in mounts(postgres)}["/docker-entrypoint-initdb.d"]
-    assert (ROOT / initdb / "10-grafana-reader.sh").is_file()
-    assert {"GRAFANA_DB_USER", "GRAFANA_DB_PASSWORD"} <= set(postgres["environment"])

@@ -146,8 +146,9 @@ def test_expire_deadlines_expires_batches_and_jobs_once(control, sql_engine: Eng
 class Hook:
     """A webhook receiver on a local port answering with the queued status codes (then 200)."""
 
-    def __init__(self, codes: list[int] | None = None) -> None:
-        self.codes = list(codes or [])
+    def __init__(self, codes: list[int] | None = None, delay_s: float = 0.0) -> None:
+        self.codes = list(codes or [])  # 0: answer garbage instead of HTTP
+        self.delay_s = delay_s
         self.requests: list[tuple[dict[str, str], bytes]] = []
         hook = self
 
@@ -155,7 +156,12 @@ class Hook:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 hook.requests.append((dict(self.headers), body))
-                self.send_response(hook.codes.pop(0) if hook.codes else 200)
+                time.sleep(hook.delay_s)
+                code = hook.codes.pop(0) if hook.codes else 200
+                if code == 0:  # not HTTP at all: http.client raises BadStatusLine
+                    self.wfile.write(b"garbage\r\n\r\n")
+                    return
+                self.send_response(code)
                 self.end_headers()
 
             def log_message(self, *args: object) -> None:
@@ -173,8 +179,8 @@ class Hook:
 def hook() -> Iterator:  # type: ignore[type-arg]
     hooks: list[Hook] = []
 
-    def make(codes: list[int] | None = None) -> Hook:
-        hooks.append(Hook(codes))
+    def make(codes: list[int] | None = None, delay_s: float = 0.0) -> Hook:
+        hooks.append(Hook(codes, delay_s))
         return hooks[-1]
 
     yield make
@@ -306,6 +312,92 @@ def test_webhook_gives_up_after_max_attempts(control, sql_engine: Engine, hook) 
     assert len(receiver.requests) == 2
 
 
+def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: Engine,
+                                                          hook, caplog) -> None:
+    """The POST takes four lock TTLs: the watchdog renews the lock, so the runs that
+    finalize_batches starts meanwhile skip, the receiver gets one POST, and the lock is
+    released cleanly at the end."""
+    receiver = hook(delay_s=2.0)
+    app = control(webhook_url=receiver.url, task_lock_ttl_s=0.5)
+    store = JobStore(sql_engine)
+    succeed(store, submit(store, 1, batch_id="slow")[0])
+    svc = app.kvbatch_services.get()
+    ops.complete_batches(svc, time.time())
+    results: list[str] = []
+    # Called directly: result.get() is refused while another thread runs an eager task.
+    first = threading.Thread(target=lambda: results.append(task(app, "finalize_batch")("slow")))
+    first.start()
+    while not receiver.requests:
+        time.sleep(0.05)
+    time.sleep(1.0)  # two TTLs into the POST
+    assert task(app, "finalize_batch")("slow") == "skipped"
+    assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
+    first.join(timeout=10)
+    assert results == ["notified"]
+    assert len(receiver.requests) == 1
+    assert batch_row(sql_engine, "slow").webhook_attempts == 1
+    assert not [r for r in caplog.records if "lock" in r.getMessage()]
+    assert not svc.redis.exists(svc.keys.control_lock("batch:slow"))
+
+
+def test_a_broken_http_answer_is_a_counted_attempt(control, sql_engine: Engine, hook) -> None:
+    receiver = hook([0, 0])
+    app = control(webhook_url=receiver.url, webhook_max_attempts=2, webhook_backoff_s=1.0)
+    store = JobStore(sql_engine)
+    succeed(store, submit(store, 1, batch_id="garbled")[0])
+    svc = app.kvbatch_services.get()
+    now = time.time()
+    ops.complete_batches(svc, now)
+    assert ops.finalize_batch(svc, "garbled", now) == "retry"
+    b = batch_row(sql_engine, "garbled")
+    assert b.webhook_attempts == 1 and "BadStatusLine" in b.webhook_error
+    assert ops.finalize_batch(svc, "garbled", now + 0.5) == "skipped"  # backing off
+    assert ops.finalize_batch(svc, "garbled", now + 2) == "gave-up"
+    assert batch_row(sql_engine, "garbled").notified_at is not None
+    assert len(receiver.requests) == 2
+
+
+def test_a_failing_export_is_retried_then_left_out(control, sql_engine: Engine,
+                                                   redis_client: redis.Redis, keys: Keys,
+                                                   hook, tmp_path: Path) -> None:
+    """An export that cannot be written (here: the export directory is a file) counts as an
+    attempt and backs off; after the last attempt the batch is finalized without the file."""
+    receiver = hook()
+    blocked = tmp_path / "exports"
+    blocked.write_text("not a directory")
+    app = control(export_dir=str(blocked), webhook_max_attempts=3, webhook_backoff_s=10.0)
+    store = JobStore(sql_engine)
+    succeed(store, submit(store, 1, batch_id="nodisk")[0])
+    batches.configure(sql_engine, "nodisk", webhook_url=receiver.url)
+    svc = app.kvbatch_services.get()
+    pubsub = subscribe(redis_client, keys)
+    now = time.time()
+    ops.complete_batches(svc, now)
+    assert ops.finalize_batch(svc, "nodisk", now) == "retry"
+    assert ops.finalize_batch(svc, "nodisk", now + 5) == "skipped"
+    assert ops.finalize_batch(svc, "nodisk", now + 11) == "retry"
+    b = batch_row(sql_engine, "nodisk")
+    assert b.webhook_attempts == 2 and b.webhook_error.startswith("export failed: ")
+    assert b.notified_at is None and receiver.requests == [] and messages(pubsub) == []
+    assert ops.finalize_batch(svc, "nodisk", now + 32) == "gave-up"
+    b = batch_row(sql_engine, "nodisk")
+    assert b.notified_at is not None and b.results_path is None
+    assert b.webhook_error.startswith("export failed: ")
+    assert [e["results_path"] for e in receiver.events()] == [None]
+    assert [e["batch_id"] for e in messages(pubsub)] == ["nodisk"]
+    pubsub.close()
+
+
+def test_settle_time_is_measured_on_the_database_clock(sql_engine: Engine) -> None:
+    """A control host whose clock runs an hour ahead does not finalize a batch that is still
+    receiving jobs."""
+    store = JobStore(sql_engine)
+    for job_id in submit(store, 2, batch_id="skewed"):
+        succeed(store, job_id)
+    assert batches.complete_batches(sql_engine, time.time() + 3600, settle_s=300.0) == []
+    assert batches.complete_batches(sql_engine, time.time(), settle_s=0.0) == ["skewed"]
+
+
 # -- retention ---------------------------------------------------------------------------------
 
 def test_purge_drops_old_results_then_old_rows(control, sql_engine: Engine) -> None:
@@ -356,6 +448,70 @@ def test_reaper_fails_jobs_past_the_delivery_limit_on_no_live_worker(
 
     assert task(app, "reap_jobs").delay().get() == []
     assert len(redis_client.xrange(keys.dead_letter(MODEL))) == 2
+
+
+def test_reaper_asks_for_live_workers_after_locking_the_jobs(sql_engine: Engine) -> None:
+    """A worker that takes a job between the start of a reaper run and its transaction is
+    live by the time the reaper decides; and the reaper pages past jobs it must keep."""
+    store = JobStore(sql_engine)
+    submit(store, 5, prefix="k-")
+    now = time.time()
+    store.begin_deliveries(["k-0", "k-1"], "late-worker", max_deliveries=3, now_s=now)
+    with Session(sql_engine) as session, session.begin():
+        session.execute(update(Job).values(attempts=3))
+    asked: list[set[str]] = []
+
+    def live() -> set[str]:  # the heartbeat appeared after the run started
+        asked.append({"late-worker"})
+        return {"late-worker"}
+
+    reaped: list[str] = []
+    after: str | None = ""
+    while after is not None:
+        page, after = store.reap_overdelivered(3, live, now, limit=2, after_id=after)
+        reaped += [job_id for job_id, _, _ in page]
+    assert reaped == ["k-2", "k-3", "k-4"] and asked
+    assert {k: v.status for k, v in rows(sql_engine, "k-0", "k-1").items()} == {
+        "k-0": "running", "k-1": "running"}
+
+
+def test_expiry_and_reaping_page_through_everything_in_one_run(
+        control, sql_engine: Engine, redis_client: redis.Redis, keys: Keys) -> None:
+    app = control(page_size=2, max_deliveries=3)
+    store = JobStore(sql_engine)
+    past = datetime.now(UTC) - timedelta(seconds=10)
+    now = time.time()
+    big = submit(store, 5, batch_id="big", prefix="big-")
+    batches.configure(sql_engine, "big", deadline_s=now - 1)
+    loose = submit(store, 5, prefix="loose-", deadline=past)
+    report = task(app, "expire_deadlines").delay().get()
+    assert report == {"batches": ["big"], "jobs": sorted(big + loose)}
+    assert batch_row(sql_engine, "big").status == "expired"
+    with Session(sql_engine) as session:
+        assert len(session.scalars(select(JobMetrics.job_id)).all()) == 10
+    # Reaping: the first page holds only jobs of a live worker; the rest are still reaped.
+    held = submit(store, 2, prefix="a-")
+    dead = submit(store, 3, prefix="z-")
+    store.begin_deliveries(held, "alive", max_deliveries=3, now_s=now)
+    redis_client.hset(keys.workers(), mapping={"alive": MODEL})
+    redis_client.set(keys.heartbeat("alive"), MODEL, px=60_000)
+    with Session(sql_engine) as session, session.begin():
+        session.execute(update(Job).where(Job.id.in_(held + dead)).values(attempts=3))
+    assert task(app, "reap_jobs").delay().get() == dead
+
+
+def test_every_scheduled_task_runs_once_at_start(control, sql_engine: Engine) -> None:
+    """What run_control does when its worker is ready: the purge does not wait an hour."""
+    from worker.control.app import run_scheduled_once
+
+    app = control(results_retention_days=1.0)
+    store = JobStore(sql_engine)
+    submit(store, 1, prefix="old-", submitted_at=time.time() - 3 * DAY_S)
+    succeed(store, "old-0", finished_at=time.time() - 2 * DAY_S)
+    assert sorted(run_scheduled_once(app)) == [
+        f"kvbatch.control.{n}" for n in
+        ("expire_deadlines", "finalize_batches", "purge_results", "reap_jobs")]
+    assert rows(sql_engine, "old-0")["old-0"].text is None
 
 
 # -- the app -----------------------------------------------------------------------------------

@@ -2,9 +2,15 @@
 
 Redis is the broker (the workers' Redis unless ``broker_url`` says otherwise; every broker key
 under ``<prefix>:celery:``); messages are JSON only, never pickle. Tasks are acknowledged after
-they finish and redelivered if their worker dies, which their idempotence makes safe. The beat
-scheduler keeps its state in memory (the default one persists it with pickle in a shelve file):
-after a restart every task simply runs once at start-up.
+they finish (``task_acks_late``). ``task_reject_on_worker_lost`` is set too, but only matters
+for process pools: ``kvbatch control`` runs a thread pool, so a run lost with its process stays
+unacknowledged in Redis until the transport's visibility timeout (an hour) redelivers it. Nothing
+waits for that: beat schedules every task again within its interval, and each is idempotent.
+
+The beat scheduler keeps its state in memory (the default one persists it with pickle in a
+shelve file), so it would first run each task one interval after start; :func:`run_control`
+therefore sends every scheduled task once when the worker is ready, so that a control plane
+restarted more often than the purge interval still purges.
 
 ``celery --app worker.control.app inspect ping`` reaches a running control worker (its settings
 come from the same ``KVBATCH_*`` variables).
@@ -17,9 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 
 from worker.control import ops
+from worker.control.locks import held
 from worker.control.settings import ControlSettings
 
 QUEUE = "control"
@@ -93,13 +100,8 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
     def exclusive(name: str, fn: Callable[[ops.Services], Any]) -> Any:
         # One run at a time across replicas; a run that finds the lock taken has nothing to do.
         svc = services.get()
-        lock = svc.redis.lock(svc.keys.control_lock(name), timeout=600, blocking=False)
-        if not lock.acquire():
-            return {"skipped": "another run holds the lock"}
-        try:
-            return fn(svc)
-        finally:
-            lock.release()
+        with held(svc.redis, svc.keys.control_lock(name), svc.settings.task_lock_ttl_s) as mine:
+            return fn(svc) if mine else {"skipped": "another run holds the lock"}
 
     @app.task(name=TASK_PREFIX + "expire_deadlines", shared=False)
     def expire_deadlines() -> Any:
@@ -107,15 +109,12 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
 
     @app.task(name=TASK_PREFIX + "finalize_batch", shared=False)
     def finalize_batch(batch_id: str) -> str:
+        # finalize_batches lists the batch again every interval until it is finalized; the
+        # lock (renewed however long the export or the POST takes) lets one run through.
         svc = services.get()
-        lock = svc.redis.lock(svc.keys.control_lock(f"batch:{batch_id}"), timeout=600,
-                              blocking=False)
-        if not lock.acquire():
-            return "skipped"
-        try:
-            return ops.finalize_batch(svc, batch_id, time.time())
-        finally:
-            lock.release()
+        lock_name = svc.keys.control_lock(f"batch:{batch_id}")
+        with held(svc.redis, lock_name, svc.settings.task_lock_ttl_s) as mine:
+            return ops.finalize_batch(svc, batch_id, time.time()) if mine else "skipped"
 
     @app.task(name=TASK_PREFIX + "finalize_batches", shared=False)
     def finalize_batches() -> Any:
@@ -135,12 +134,27 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
         return exclusive("reap", lambda svc: ops.reap(svc, time.time()))
 
 
+def run_scheduled_once(app: Celery) -> list[str]:
+    """Send every task of the beat schedule once, now (what beat does one interval later)."""
+    names = [entry["task"] for entry in app.conf.beat_schedule.values()]
+    for name in names:
+        app.tasks[name].delay()
+    return names
+
+
 def run_control(settings: ControlSettings, concurrency: int = 4, beat: bool = True,
                 loglevel: str = "INFO") -> int:
-    """Run a control worker (thread pool) with the beat scheduler embedded, until stopped."""
+    """Run a control worker (thread pool) with the beat scheduler embedded, until stopped;
+    with beat, every scheduled task also runs once as soon as the worker is ready."""
     from celery.utils.nodenames import host_format
 
     app = make_app(settings)
+    if beat:
+        def at_start(sender: Any = None, **_: Any) -> None:
+            if getattr(sender, "app", None) is app:
+                run_scheduled_once(app)
+
+        signals.worker_ready.connect(at_start, weak=False)
     worker = app.Worker(pool="threads", concurrency=concurrency, beat=beat, loglevel=loglevel,
                         hostname=host_format("control@%h"), queues=[QUEUE])
     worker.start()

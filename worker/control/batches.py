@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from jobs.models import BATCH_COMPLETED, BATCH_IN_PROGRESS, Batch, Job
 from jobs.schemas import ACTIVE_STATUSES
-from jobs.store import JobStore, to_dt
+from jobs.store import JobStore, db_now, to_dt
 
 _ACTIVE = [s.value for s in ACTIVE_STATUSES]
 EXPORT_CHUNK = 500
@@ -40,12 +40,14 @@ class BatchState:
 
 def complete_batches(engine: Engine, now_s: float, settle_s: float) -> list[str]:
     """Mark ``completed`` every in-progress batch whose jobs are all terminal and that got no
-    new job for ``settle_s`` (a producer may still be adding chunks of a large dataset)."""
+    new job for ``settle_s`` (a producer may still be adding chunks of a large dataset).
+    ``created_at`` is stamped by the database's clock, so the settle time is measured on it."""
     has_active = select(Job.id).where(Job.batch_id == Batch.id, Job.status.in_(_ACTIVE))
-    has_recent = select(Job.id).where(Job.batch_id == Batch.id,
-                                      Job.created_at > to_dt(now_s - settle_s))
     has_jobs = select(Job.id).where(Job.batch_id == Batch.id)
     with Session(engine) as session, session.begin():
+        settled_before = db_now(session) - timedelta(seconds=settle_s)
+        has_recent = select(Job.id).where(Job.batch_id == Batch.id,
+                                          Job.created_at > settled_before)
         done = session.scalars(
             update(Batch)
             .where(Batch.status == BATCH_IN_PROGRESS, has_jobs.exists(),
@@ -127,16 +129,18 @@ def record_export(engine: Engine, batch_id: str, path: str) -> None:
 
 
 def record_webhook_attempt(engine: Engine, batch_id: str, now_s: float, error: str | None,
-                           max_attempts: int, retry_in_s: float) -> bool:
-    """Count one webhook attempt; True when the batch is now finalized (delivered, or the
-    last attempt failed)."""
+                           max_attempts: int, retry_in_s: float,
+                           delivered: bool | None = None) -> bool:
+    """Count one finalization attempt (export or webhook) with its error, if any; True when
+    the batch is now finalized: delivered (default: no error), or the last attempt failed."""
+    delivered = error is None if delivered is None else delivered
     with Session(engine) as session, session.begin():
         attempts = session.scalar(
             update(Batch).where(Batch.id == batch_id)
             .values(webhook_attempts=Batch.webhook_attempts + 1, webhook_error=error)
             .returning(Batch.webhook_attempts)
         ) or 0
-        settled = error is None or attempts >= max_attempts
+        settled = delivered or attempts >= max_attempts
         session.execute(update(Batch).where(Batch.id == batch_id).values(
             notified_at=to_dt(now_s) if settled else None,
             webhook_next_at=None if settled else to_dt(now_s + retry_in_s),

@@ -61,9 +61,13 @@ def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
     """Expire batches past their deadline (with their active jobs), then any job past its own.
     Running jobs expired here get a cancel signal, so a live worker frees their KV blocks."""
     s = svc.settings
-    by_batch = svc.store.expire_batches(now_s)
+    by_batch = svc.store.expire_batches(now_s, s.page_size)
     jobs = [job for expired in by_batch.values() for job in expired]
-    jobs += svc.store.expire_past_deadline(now_s, s.running_deadline_grace_s)
+    while page := svc.store.expire_past_deadline(now_s, s.running_deadline_grace_s,
+                                                 s.page_size):
+        jobs += page
+        if len(page) < s.page_size:
+            break
     # Announce first: publishing a job's end clears its cancel marker.
     svc.publish_done([(job_id, JobStatus.EXPIRED.value) for job_id, _ in jobs])
     for job_id, before in jobs:
@@ -85,35 +89,52 @@ def complete_batches(svc: Services, now_s: float) -> list[str]:
 def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
     """Export, publish, POST: what is left of finalizing one settled batch. Returns what
     happened: ``skipped`` (not settled, already finalized, or retry not due), ``notified``,
-    ``retry`` (webhook failed, will be retried) or ``gave-up``."""
+    ``retry`` (export or webhook failed, will be retried) or ``gave-up``.
+
+    Every failed attempt, of the export or of the POST, is counted in ``webhook_attempts``
+    and retried with backoff. Once ``webhook_max_attempts`` are used, an export that still fails
+    is left out (the event says ``results_path: null``, ``webhook_error`` says why) and a
+    webhook that still fails is given up."""
     s = svc.settings
     batch = batches.load(svc.engine, batch_id)
     if batch is None or batch.status == "in_progress" or batch.notified_at is not None:
         return "skipped"
     if batch.webhook_next_at is not None and batch.webhook_next_at.timestamp() > now_s:
         return "skipped"
-    results_path = batch.results_path
+    attempt = batch.webhook_attempts + 1
+    retry_in_s = backoff_s(attempt, s.webhook_backoff_s)
+    results_path, export_error = batch.results_path, None
     if s.export_dir and results_path is None:
-        results_path = batches.export_results(svc.store, batch_id, s.export_dir)
-        batches.record_export(svc.engine, batch_id, results_path)
+        try:
+            results_path = batches.export_results(svc.store, batch_id, s.export_dir)
+        except Exception as exc:  # disk full, permissions: count the attempt, retry
+            export_error = f"export failed: {type(exc).__name__}: {exc}"
+            log.warning("batch %s attempt %d: %s", batch_id, attempt, export_error)
+            if attempt < s.webhook_max_attempts:
+                batches.record_webhook_attempt(svc.engine, batch_id, now_s, export_error,
+                                               s.webhook_max_attempts, retry_in_s)
+                return "retry"
+        else:
+            batches.record_export(svc.engine, batch_id, results_path)
     event = batches.event(svc.store, batch, results_path)
-    if batch.webhook_attempts == 0:  # published once, before the first webhook attempt
-        pipe = svc.redis.pipeline(transaction=False)
-        pipe.set(svc.keys.batch_done(batch_id), batch.status, ex=DONE_MARKER_TTL_S)
-        pipe.publish(svc.keys.batch_done_channel(), json.dumps(event))
-        pipe.execute()
+    # Published once: the marker key is set only by the first run that gets this far.
+    if svc.redis.set(svc.keys.batch_done(batch_id), batch.status, nx=True,
+                     ex=DONE_MARKER_TTL_S):
+        svc.redis.publish(svc.keys.batch_done_channel(), json.dumps(event))
     url = batch.webhook_url or s.webhook_url
     if not url:
+        if export_error is not None:
+            batches.record_webhook_attempt(svc.engine, batch_id, now_s, export_error, 1, 0.0)
+            return "gave-up"
         batches.mark_notified(svc.engine, batch_id, now_s)
         return "notified"
     error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s)
-    retry_in_s = backoff_s(batch.webhook_attempts + 1, s.webhook_backoff_s)
-    settled = batches.record_webhook_attempt(svc.engine, batch_id, now_s, error,
-                                             s.webhook_max_attempts, retry_in_s)
+    settled = batches.record_webhook_attempt(svc.engine, batch_id, now_s,
+                                             error or export_error, s.webhook_max_attempts,
+                                             retry_in_s, delivered=error is None)
     if error is None:
-        return "notified"
-    log.warning("batch %s webhook attempt %d failed: %s", batch_id,
-                batch.webhook_attempts + 1, error)
+        return "gave-up" if export_error else "notified"
+    log.warning("batch %s webhook attempt %d failed: %s", batch_id, attempt, error)
     return "gave-up" if settled else "retry"
 
 
@@ -137,8 +158,14 @@ def purge(svc: Services, now_s: float) -> dict[str, int]:
 def reap(svc: Services, now_s: float) -> list[str]:
     """Fail jobs past the delivery limit that no live worker holds, and copy them to their
     model's dead-letter stream, as a worker would on their next delivery."""
-    live = JobQueue(svc.redis, "", svc.keys).live_workers()  # the registry spans all models
-    reaped = svc.store.reap_overdelivered(svc.settings.max_deliveries, live, now_s)
+    queue = JobQueue(svc.redis, "", svc.keys)  # the worker registry spans all models
+    reaped: list[tuple[str, str, int]] = []
+    after: str | None = ""
+    while after is not None:
+        page, after = svc.store.reap_overdelivered(svc.settings.max_deliveries,
+                                                   queue.live_workers, now_s,
+                                                   svc.settings.page_size, after)
+        reaped += page
     if not reaped:
         return []
     specs = {spec.id: spec for spec in svc.store.specs([job_id for job_id, _, _ in reaped])}

@@ -33,6 +33,11 @@ class ControlSettings(BaseSettings):
     finalize_interval_s: float = Field(10.0, gt=0)
     reap_interval_s: float = Field(60.0, gt=0)
     purge_interval_s: float = Field(3600.0, gt=0)
+    task_lock_ttl_s: float = Field(
+        60.0, gt=0, description="a task's lock expires this long after its process died "
+                               "(renewed while the task runs)")
+    page_size: int = Field(1000, ge=1, description="jobs per transaction when expiring and "
+                                                   "reaping")
     # Deadlines and batches.
     running_deadline_grace_s: float = Field(
         60.0, ge=0, description="expire a running job this long after its deadline")

@@ -37,7 +37,7 @@ def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: f
             return None if 200 <= response.status < 300 else f"HTTP {response.status}"
     except urllib.error.HTTPError as exc:
         return f"HTTP {exc.code}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except Exception as exc:  # BadStatusLine, TLS errors...: an attempt all the same
         return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
 
 
