@@ -5,6 +5,7 @@ valid ``kvbatch`` command line, and that Prometheus scrapes the port the workers
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,55 @@ def test_grafana_provisioning_is_mounted_and_complete(compose: dict[str, Any]) -
         "kvbatch-jobs.json", "kvbatch-overview.json"]
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert (dashboards / Path(home).relative_to(path)).is_file()
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Reads Compose's merge tags: ``!override`` replaces instead of merging, ``!reset``
+    removes."""
+
+
+class _Override(list):  # type: ignore[type-arg]
+    pass
+
+
+_ComposeLoader.add_constructor(
+    "!override", lambda loader, node: _Override(loader.construct_sequence(node, deep=True)))
+
+
+def compose_merge(base: Any, override: Any) -> Any:
+    """Compose's merge rules for what the docs use: mappings merge key by key, sequences
+    append, ``!override`` replaces."""
+    if isinstance(override, _Override):
+        return list(override)
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: compose_merge(base[k], v) if k in base else v
+                for k, v in {**base, **override}.items()}
+    if isinstance(base, list) and isinstance(override, list):
+        return base + override
+    return override
+
+
+def test_documented_multi_gpu_override_gives_each_worker_one_gpu(
+        compose: dict[str, Any]) -> None:
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    section = doc[doc.index("**One worker per GPU on a multi-GPU host**"):]
+    snippet = re.search(r"```yaml\n(.*?)```", section, flags=re.S)
+    assert snippet is not None
+    override = yaml.load(textwrap.dedent(snippet[1]), Loader=_ComposeLoader)["services"]
+    base = compose["services"]["worker"]
+    seen = []
+    for name, svc in override.items():
+        if "extends" in svc:
+            assert svc["extends"] == {"file": "docker-compose.yml", "service": "worker"}
+            start = base
+        else:
+            start = compose["services"][name]
+        merged = compose_merge(start, {k: v for k, v in svc.items() if k != "extends"})
+        devices = merged["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1 and "count" not in devices[0], (name, devices)
+        seen += devices[0]["device_ids"]
+    assert sorted(seen) == ["0", "1"]
+    # Without !override the lists would append: the check above would catch it.
+    plain = yaml.safe_load(textwrap.dedent(snippet[1]).replace("!override ", ""))
+    merged = compose_merge(base, plain["services"]["worker"])
+    assert len(merged["deploy"]["resources"]["reservations"]["devices"]) == 2

@@ -352,10 +352,11 @@ def test_batch_progress_and_failures_read_right(seeded: Engine) -> None:
     assert statuses == {"succeeded": 5, "failed": 1, "expired": 1}
 
 
-def test_bi_queries_in_the_docs_run(seeded: Engine) -> None:
+def test_bi_queries_in_the_docs_run_as_the_read_only_role(seeded: Engine,
+                                                          reader: Engine) -> None:
     doc = (ROOT / "docs" / "bi-queries.md").read_text()
     blocks = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
     assert len(blocks) >= 6
-    with seeded.connect() as conn:
+    with reader.connect() as conn:
         for sql in blocks:
             assert conn.execute(text(sql)).mappings().all(), sql
