@@ -76,8 +76,16 @@ def _plain_row(obj: Mapping[str, Any], index: int) -> Row:
         messages=obj.get("messages"),
         sampling={k: v for k, v in obj.items() if k in SAMPLING_FIELDS},
         priority=obj.get("priority"),
-        metadata=dict(obj.get("metadata") or {}),
+        metadata=_object(obj.get("metadata"), "metadata"),
     )
+
+
+def _object(value: Any, name: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name!r} must be a JSON object, not {type(value).__name__}")
+    return dict(value)
 
 
 def _openai_row(obj: Mapping[str, Any]) -> Row:

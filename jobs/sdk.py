@@ -346,7 +346,10 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
     if system_prompt is not None and row.kind is not RowKind.COMPLETION:  # raw text stays raw
         if messages is None and prompt is not None:
             prompt, messages = None, [{"role": "user", "content": prompt}]
-        if messages is not None and not any(m.get("role") == "system" for m in messages):
+        if messages is not None and not isinstance(messages, list):
+            raise ValueError("'messages' must be a list of {role, content} objects")
+        if messages is not None and not any(isinstance(m, Mapping) and m.get("role") == "system"
+                                            for m in messages):
             messages = [{"role": "system", "content": system_prompt}, *messages]
     return JobSpec.model_validate({
         "model": model, "batch_id": batch_id, "custom_id": row.custom_id, "prompt": prompt,

@@ -91,9 +91,11 @@ class Worker:
                  sql_engine: Engine | None = None) -> None:
         self.settings = s = settings
         self.worker_id = s.worker_id
+        # encoding_errors="replace": a stream entry that is not UTF-8 must reach the decision
+        # step as a malformed job, not raise while the reply is parsed (killing the loop).
         self.redis = redis_client or redis.Redis.from_url(
-            s.redis_url, decode_responses=True, socket_timeout=REDIS_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
+            s.redis_url, decode_responses=True, encoding_errors="replace",
+            socket_timeout=REDIS_SOCKET_TIMEOUT_S, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
         self.store = JobStore(sql_engine or make_engine(
             s.database_url, connect_timeout_s=SQL_CONNECT_TIMEOUT_S,
             statement_timeout_s=SQL_STATEMENT_TIMEOUT_S))
