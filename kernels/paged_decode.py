@@ -15,9 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import LOG2_E, MIN_DOT_DIM, attend_paged_tiles, dot_config
+from kernels.online_softmax import (
+    LOG2_E,
+    MIN_DOT_DIM,
+    TILE_N,
+    attend_paged_tiles,
+    block_d,
+    check_paged_attention_args,
+    dot_config,
+    normalise,
+)
 
-TILE_N = 64  # key tokens per inner-loop step (several KV blocks when block_size < 64)
 MIN_PARTITION_TOKENS = 256  # shorter partitions cost more in merging than they gain
 PROGRAMS_PER_SM = 8  # enough resident programs per SM to keep HBM busy
 
@@ -27,7 +35,7 @@ def _paged_decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], written when not SPLIT
     partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32, when SPLIT
     partial_m_ptr,  # [num_seqs, num_heads, num_splits] fp32, when SPLIT
-    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32, when SPLIT
+    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32, partial_m's layout, when SPLIT
     query_ptr,  # [num_seqs, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -37,20 +45,20 @@ def _paged_decode_kernel(
     partition_size,  # key tokens per split, a multiple of TILE_N
     stride_out_seq,
     stride_out_head,
-    stride_pacc_seq,
-    stride_pacc_head,
-    stride_pacc_split,
-    stride_pml_seq,
-    stride_pml_head,
+    stride_partial_acc_seq,
+    stride_partial_acc_head,
+    stride_partial_acc_split,
+    stride_partial_m_seq,
+    stride_partial_m_head,
     stride_query_seq,
     stride_query_head,
-    stride_kc_block,
-    stride_kc_token,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_token,
-    stride_vc_head,
-    stride_bt_seq,
+    stride_key_cache_block,
+    stride_key_cache_token,
+    stride_key_cache_head,
+    stride_value_cache_block,
+    stride_value_cache_token,
+    stride_value_cache_head,
+    stride_block_tables_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -66,66 +74,59 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
-    if start >= seq_len:
+    if split > 0 and start >= seq_len:
         return  # this sequence is shorter than the split; the merge ignores the slot
+    # Split 0 always runs, so that an empty sequence (seq_len 0) still gets its zeros written.
     end = tl.minimum(start + partition_size, seq_len)
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < GROUP
     mask_d = offs_d < HEAD_DIM
+    mask_md = mask_m[:, None] & mask_d[None, :]
     heads = kv_head * GROUP + offs_m  # [BLOCK_M]
     q = tl.load(
         query_ptr + seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
+        mask=mask_md,
         other=0.0,
     ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
     query_pos = tl.full([BLOCK_M], 0, tl.int32) + (seq_len - 1)
-
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_paged_tiles(
-        acc,
-        m_i,
-        l_i,
         q,
         query_pos,
         key_cache_ptr,
         value_cache_ptr,
-        block_tables_ptr + seq * stride_bt_seq,
+        block_tables_ptr + seq * stride_block_tables_seq,
         kv_head,
         start,
         end,
         qk_scale,
-        stride_kc_block,
-        stride_kc_token,
-        stride_kc_head,
-        stride_vc_block,
-        stride_vc_token,
-        stride_vc_head,
+        stride_key_cache_block,
+        stride_key_cache_token,
+        stride_key_cache_head,
+        stride_value_cache_block,
+        stride_value_cache_token,
+        stride_value_cache_head,
         BLOCK_SIZE,
         TILE_N,
         HEAD_DIM,
-        BLOCK_D,
         DOT_DTYPE,
         DOT_PRECISION,
     )
 
-    mask_md = mask_m[:, None] & mask_d[None, :]
     if SPLIT:
-        pacc_offs = (
-            seq * stride_pacc_seq
-            + heads[:, None] * stride_pacc_head
-            + split * stride_pacc_split
+        partial_acc_offs = (
+            seq * stride_partial_acc_seq
+            + heads[:, None] * stride_partial_acc_head
+            + split * stride_partial_acc_split
             + offs_d[None, :]
         )
-        tl.store(partial_acc_ptr + pacc_offs, acc, mask=mask_md)
-        pml_offs = seq * stride_pml_seq + heads * stride_pml_head + split
-        tl.store(partial_m_ptr + pml_offs, m_i, mask=mask_m)
-        tl.store(partial_l_ptr + pml_offs, l_i, mask=mask_m)
+        tl.store(partial_acc_ptr + partial_acc_offs, acc, mask=mask_md)
+        partial_ml_offs = seq * stride_partial_m_seq + heads * stride_partial_m_head + split
+        tl.store(partial_m_ptr + partial_ml_offs, m_i, mask=mask_m)
+        tl.store(partial_l_ptr + partial_ml_offs, l_i, mask=mask_m)
     else:
-        out = acc / l_i[:, None]
+        out = normalise(acc, l_i)
         out_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :]
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_md)
 
@@ -135,16 +136,16 @@ def _paged_decode_merge_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     partial_acc_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32
     partial_m_ptr,  # [num_seqs, num_heads, num_splits] fp32
-    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32
+    partial_l_ptr,  # [num_seqs, num_heads, num_splits] fp32, partial_m's layout
     seq_lens_ptr,  # [num_seqs] int32
     partition_size,
     stride_out_seq,
     stride_out_head,
-    stride_pacc_seq,
-    stride_pacc_head,
-    stride_pacc_split,
-    stride_pml_seq,
-    stride_pml_head,
+    stride_partial_acc_seq,
+    stride_partial_acc_head,
+    stride_partial_acc_split,
+    stride_partial_m_seq,
+    stride_partial_m_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -152,25 +153,29 @@ def _paged_decode_merge_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_splits = tl.cdiv(seq_len, partition_size)  # splits this sequence actually wrote
+    # The splits this sequence wrote: split 0 always (an empty sequence's m = -inf, l = 0).
+    num_splits = tl.maximum(tl.cdiv(seq_len, partition_size), 1)
     offs_s = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
 
-    pml_offs = seq * stride_pml_seq + head * stride_pml_head + offs_s
-    m = tl.load(partial_m_ptr + pml_offs, mask=mask_s, other=float("-inf"))  # [BLOCK_SPLITS]
-    l_s = tl.load(partial_l_ptr + pml_offs, mask=mask_s, other=0.0)
-    m_max = tl.max(m, 0)  # finite: split 0 always sees key 0
-    weight = tl.exp2(m - m_max)  # 0 for the masked splits
-    pacc_offs = (
-        seq * stride_pacc_seq
-        + head * stride_pacc_head
-        + offs_s[:, None] * stride_pacc_split
+    partial_ml_offs = seq * stride_partial_m_seq + head * stride_partial_m_head + offs_s
+    m = tl.load(partial_m_ptr + partial_ml_offs, mask=mask_s, other=float("-inf"))
+    l_s = tl.load(partial_l_ptr + partial_ml_offs, mask=mask_s, other=0.0)  # [BLOCK_SPLITS]
+    m_max = tl.max(m, 0)  # finite unless the sequence is empty
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for empty splits
+    partial_acc_offs = (
+        seq * stride_partial_acc_seq
+        + head * stride_partial_acc_head
+        + offs_s[:, None] * stride_partial_acc_split
         + offs_d[None, :]
     )
-    acc = tl.load(partial_acc_ptr + pacc_offs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_s * weight, 0)  # [BLOCK_D]
+    acc = tl.load(
+        partial_acc_ptr + partial_acc_offs, mask=mask_s[:, None] & mask_d[None, :], other=0.0
+    )  # [BLOCK_SPLITS, BLOCK_D]
+    l_sum = tl.sum(l_s * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(l_sum == 0.0, 1.0, l_sum)  # [BLOCK_D]
     out_offs = seq * stride_out_seq + head * stride_out_head + offs_d
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -200,42 +205,27 @@ def _launch_paged_decode(
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
-    assert num_heads % num_kv_heads == 0
-    assert query.dtype == key_cache.dtype == value_cache.dtype
-    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (num_seqs,)
-    assert seq_lens.is_contiguous()
-    for t in (query, key_cache, value_cache):
-        assert t.stride(-1) == 1, "the kernel assumes a unit stride along head_dim"
-    if out is None:
-        out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
-    if num_seqs == 0:
-        return out
-
-    group = num_heads // num_kv_heads
+    out = check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, out)
     # The largest context the block tables can describe: a bound known without a device sync.
     max_context = block_tables.shape[1] * block_size
+    if num_seqs == 0:
+        return out
+    if max_context == 0:  # no block to read, so every seq_len is 0 (see the precondition)
+        return out.zero_()
+
+    group = num_heads // num_kv_heads
     if num_splits is None:
-        num_sms = _num_sms(query.device)
-        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, num_sms)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(out.device))
     partition_size = triton.cdiv(triton.cdiv(max_context, num_splits), TILE_N) * TILE_N
     num_splits = triton.cdiv(max_context, partition_size)
     split = num_splits > 1
     if split:
-        partial_acc = torch.empty(
-            num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device
-        )
-        partial_m = torch.empty(
-            num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device
-        )
+        partial_acc = out.new_empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32)
+        partial_m = out.new_empty(num_seqs, num_heads, num_splits, dtype=torch.float32)
         partial_l = torch.empty_like(partial_m)
     else:  # unused by the kernel; any fp32 tensors will do
         partial_acc = partial_m = partial_l = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
     dot_dtype, dot_precision = dot_config(query.dtype)
-    block_d = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out,
@@ -270,7 +260,7 @@ def _launch_paged_decode(
         BLOCK_SIZE=block_size,
         SPLIT=split,
         BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(group)),  # rows past GROUP: padding
-        BLOCK_D=block_d,
+        BLOCK_D=block_d(head_dim),
         TILE_N=TILE_N,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
@@ -292,7 +282,7 @@ def _launch_paged_decode(
             partial_m.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
+            BLOCK_D=block_d(head_dim),
         )
     return out
 
@@ -311,7 +301,10 @@ def paged_attention_decode(
         query: the new token's query heads; fp16, bf16 or fp32, the cache's dtype.
         key_cache, value_cache: the block pool of one layer, new tokens already written.
         block_tables: logical block -> physical block, per sequence; rows may be padded.
-        seq_lens: context length per sequence, at least 1, including the new token.
+            Each row must cover its sequence: ``seq_len <= block_tables.shape[1] * block_size``
+            (not checked: it would cost a device sync).
+        seq_lens: context length per sequence, including the new token; a sequence of length 0
+            (the engine never sends one) gets zeros.
         scale: the softmax scale, usually ``head_dim ** -0.5``.
 
     Returns:

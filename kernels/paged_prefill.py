@@ -15,9 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.online_softmax import LOG2_E, MIN_DOT_DIM, attend_paged_tiles, dot_config
+from kernels.online_softmax import (
+    LOG2_E,
+    TILE_N,
+    attend_paged_tiles,
+    block_d,
+    check_paged_attention_args,
+    dot_config,
+    normalise,
+)
 
-TILE_N = 64  # key tokens per inner-loop step
 BLOCK_M = 64  # query rows (tokens x heads of a group) per program
 
 
@@ -56,13 +63,13 @@ def _paged_prefill_kernel(
     stride_out_head,
     stride_query_token,
     stride_query_head,
-    stride_kc_block,
-    stride_kc_token,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_token,
-    stride_vc_head,
-    stride_bt_seq,
+    stride_key_cache_block,
+    stride_key_cache_token,
+    stride_key_cache_head,
+    stride_value_cache_block,
+    stride_value_cache_token,
+    stride_value_cache_head,
+    stride_block_tables_seq,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -101,39 +108,32 @@ def _paged_prefill_kernel(
     ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
     query_pos = tl.where(mask_m, prefix_len + q_tok, -1)  # padding rows see no key
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Keys past the block's last query token are all in its causal future.
     end = tl.minimum(seq_len, prefix_len + (local_block + 1) * BLOCK_Q)
-    acc, m_i, l_i = attend_paged_tiles(
-        acc,
-        m_i,
-        l_i,
+    acc, _m_i, l_i = attend_paged_tiles(
         q,
         query_pos,
         key_cache_ptr,
         value_cache_ptr,
-        block_tables_ptr + seq * stride_bt_seq,
+        block_tables_ptr + seq * stride_block_tables_seq,
         kv_head,
         0,
         end,
         qk_scale,
-        stride_kc_block,
-        stride_kc_token,
-        stride_kc_head,
-        stride_vc_block,
-        stride_vc_token,
-        stride_vc_head,
+        stride_key_cache_block,
+        stride_key_cache_token,
+        stride_key_cache_head,
+        stride_value_cache_block,
+        stride_value_cache_token,
+        stride_value_cache_head,
         BLOCK_SIZE,
         TILE_N,
         HEAD_DIM,
-        BLOCK_D,
         DOT_DTYPE,
         DOT_PRECISION,
     )
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = normalise(acc, l_i)
     out_offs = (
         (q_start + q_tok)[:, None] * stride_out_token
         + heads[:, None] * stride_out_head
@@ -155,19 +155,9 @@ def _launch_paged_prefill(
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert key_cache.shape[3] == head_dim and value_cache.shape == key_cache.shape
-    assert num_heads % num_kv_heads == 0
-    assert query.dtype == key_cache.dtype == value_cache.dtype
-    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == num_seqs
-    assert block_tables.stride(1) == 1
-    assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    out = check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (num_seqs + 1,)
     assert query_start_loc.is_contiguous()
-    for t in (query, key_cache, value_cache):
-        assert t.stride(-1) == 1, "the kernel assumes a unit stride along head_dim"
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(-1) == 1
     if num_tokens == 0 or num_seqs == 0:
         return out
 
@@ -202,7 +192,7 @@ def _launch_paged_prefill(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
-        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d(head_dim),
         TILE_N=TILE_N,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
@@ -226,6 +216,8 @@ def paged_attention_prefill(
         key_cache, value_cache: the block pool of one layer; the new tokens' K/V must already
             be written (``reshape_and_cache`` first).
         block_tables: logical block -> physical block, per sequence; rows may be padded.
+            Each row must cover its sequence: ``seq_len <= block_tables.shape[1] * block_size``
+            (not checked: it would cost a device sync).
         query_start_loc: prefix sums of the new tokens per sequence, starting at 0.
         seq_lens: context length per sequence including its new tokens; a sequence with
             ``q_len`` new tokens attends to its ``seq_len - q_len`` cached tokens in full and

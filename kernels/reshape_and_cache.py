@@ -18,12 +18,12 @@ def _reshape_and_cache_kernel(
     stride_key_head,
     stride_value_token,
     stride_value_head,
-    stride_kc_block,
-    stride_kc_token,
-    stride_kc_head,
-    stride_vc_block,
-    stride_vc_token,
-    stride_vc_head,
+    stride_key_cache_block,
+    stride_key_cache_token,
+    stride_key_cache_head,
+    stride_value_cache_block,
+    stride_value_cache_token,
+    stride_value_cache_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -51,20 +51,20 @@ def _reshape_and_cache_kernel(
         + offs_d[None, :],
         mask=mask,
     )
-    kc_offs = (
-        block * stride_kc_block
-        + offset * stride_kc_token
-        + offs_h[:, None] * stride_kc_head
+    key_cache_offs = (
+        block * stride_key_cache_block
+        + offset * stride_key_cache_token
+        + offs_h[:, None] * stride_key_cache_head
         + offs_d[None, :]
     )
-    vc_offs = (
-        block * stride_vc_block
-        + offset * stride_vc_token
-        + offs_h[:, None] * stride_vc_head
+    value_cache_offs = (
+        block * stride_value_cache_block
+        + offset * stride_value_cache_token
+        + offs_h[:, None] * stride_value_cache_head
         + offs_d[None, :]
     )
-    tl.store(key_cache_ptr + kc_offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + vc_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(key_cache_ptr + key_cache_offs, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + value_cache_offs, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_reshape_and_cache(

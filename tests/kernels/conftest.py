@@ -16,9 +16,16 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# Written into every cache slot no sequence owns: a kernel that reads past a sequence's end
-# or through a padding entry of its block table gets scores ~1e6 and fails loudly.
-POISON = 30.0
+# Written into every cache slot no sequence owns. A kernel that reads past a sequence's end or
+# through a padding entry of its block table gets keys of 30 (scores of about 30 times the sum
+# of a query head, which dominate the softmax for any head whose sum is positive) and values of
+# 1e4 (so even a small weight on such a slot moves the output far past the tolerance).
+POISON_KEY = 30.0
+POISON_VALUE = 1e4
+# The shapes every attention kernel is tested on (STYLE 7 and the list).
+HEAD_DIMS = [64, 80, 13]
+BLOCK_SIZES = [16, 32]
+HEADS = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
 # Relative to the largest reference element (and elementwise, on top).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -67,7 +74,8 @@ def make_paged_batch(
 
     # The pool of two layers, [layers, K/V, blocks, block_size, H_kv, D]; the test uses layer 1.
     pool = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    pool[:, :, ~owned] = POISON
+    pool[:, 0, ~owned] = POISON_KEY
+    pool[:, 1, ~owned] = POISON_VALUE
     pool = pool.to(dtype).to(DEVICE)
 
     q_lens = [q_len for _, q_len in seqs]

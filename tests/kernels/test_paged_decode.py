@@ -6,15 +6,13 @@ import itertools
 
 import pytest
 import torch
+from conftest import BLOCK_SIZES, HEAD_DIMS, HEADS  # tests/kernels/conftest.py
 
 from kernels import reference
 from kernels.paged_decode import _launch_paged_decode, default_num_splits
 
 # Context lengths around block boundaries, plus a long one that spans several splits.
 SEQ_LENS = [1, 15, 16, 17, 333]
-HEAD_DIMS = [64, 80, 13]
-BLOCK_SIZES = [16, 32]
-HEADS = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
 
 
 def run_decode(batch, num_splits):
@@ -67,6 +65,45 @@ def test_more_splits_than_a_short_sequence_needs(paged_batch, assert_matches):
         [(1, 1), (70, 1), (200, 1)], num_heads=2, num_kv_heads=1, head_dim=10, block_size=16
     )
     assert_matches(*run_decode(batch, num_splits=8))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_empty_sequence_gets_zeros(paged_batch, assert_matches, num_splits):
+    batch = paged_batch(
+        [(17, 1), (70, 1), (200, 1)], num_heads=6, num_kv_heads=2, head_dim=16, block_size=16
+    )
+    seq_lens = batch.seq_lens.clone()
+    seq_lens[1] = 0  # the engine never sends one; the kernel must still not leave garbage
+    scale = 0.25
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, seq_lens)
+    poisoned = torch.full_like(batch.query, float("nan"))
+    out = _launch_paged_decode(*args, scale, num_splits=num_splits, out=poisoned)
+    ref = reference.paged_attention_decode(*args, scale)
+    assert_matches(out[[0, 2]], ref[[0, 2]])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+def test_block_tables_without_columns():
+    query = torch.full((2, 4, 16), float("nan"))
+    cache = torch.zeros(3, 16, 2, 16)
+    block_tables = torch.zeros(2, 0, dtype=torch.int32)
+    seq_lens = torch.zeros(2, dtype=torch.int32)
+    out = _launch_paged_decode(query, cache, cache, block_tables, seq_lens, 0.25, out=query.clone())
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_poison_shows_a_read_one_slot_too_far(paged_batch, assert_matches):
+    # The poisoned slots must make any kernel that reads them fail: here the reference itself,
+    # told each sequence is one token longer, must miss the tolerance on every sequence.
+    batch = paged_batch(
+        [(n, 1) for n in SEQ_LENS], num_heads=9, num_kv_heads=3, head_dim=16, block_size=16
+    )
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables)
+    right = reference.paged_attention_decode(*args, batch.seq_lens, 0.25)
+    wrong = reference.paged_attention_decode(*args, batch.seq_lens + 1, 0.25)
+    for i in range(len(SEQ_LENS)):
+        with pytest.raises(AssertionError):
+            assert_matches(wrong[i], right[i])
 
 
 @pytest.mark.parametrize(

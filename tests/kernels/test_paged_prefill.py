@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import BLOCK_SIZES, HEAD_DIMS, HEADS  # tests/kernels/conftest.py
 
 from kernels import reference
 from kernels.paged_prefill import _launch_paged_prefill
@@ -14,9 +15,6 @@ from kernels.paged_prefill import _launch_paged_prefill
 # 256-token cached prefix (a prefix-cache hit or earlier chunks); a decode-shaped sequence; a
 # longer fresh prompt that spans several query blocks.
 SEQS = [(1, 1), (15, 15), (16, 16), (17, 17), (333, 77), (40, 1), (150, 150)]
-HEAD_DIMS = [64, 80, 13]
-BLOCK_SIZES = [16, 32]
-HEADS = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
 
 
 def run_prefill(batch):
@@ -56,7 +54,9 @@ def test_fp32_matches_reference(paged_batch, assert_matches, head_dim, block_siz
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_matches_reference(paged_batch, assert_matches, dtype):
-    batch = paged_batch(SEQS, num_heads=9, num_kv_heads=3, head_dim=80, block_size=16, dtype=dtype)
+    # The fp32 sequences less the long fresh prompt: rounding, not the tiling, is under test.
+    seqs = [s for s in SEQS if s != (150, 150)]
+    batch = paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=80, block_size=16, dtype=dtype)
     assert_matches(*run_prefill(batch))
 
 
