@@ -30,7 +30,7 @@ def _decode(
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     seq_lens: torch.Tensor,  # [B]
     scale: float,
-) -> torch.Tensor:  # [B, H, D]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, D] float32, lse [B, H] float32
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -40,17 +40,84 @@ def _decode(
     scores = (q * k.float()).sum(-1) * scale  # [B, nb, bs, H_kv, G]
     pos = torch.arange(max_blocks * block_size, device=query.device)
     pad = pos.view(1, max_blocks, block_size, 1, 1) >= seq_lens.view(num_seqs, 1, 1, 1, 1)
-    scores = scores.masked_fill(pad, float("-inf"))
-    probs = torch.softmax(scores.view(num_seqs, -1, num_kv_heads, group), dim=1)
+    scores = scores.masked_fill(pad, float("-inf")).view(num_seqs, -1, num_kv_heads, group)
+    lse = torch.logsumexp(scores, dim=1)  # [B, H_kv, G]
+    probs = torch.exp(scores - lse[:, None])
     probs = probs.view(num_seqs, max_blocks, block_size, num_kv_heads, group, 1)
     v = value_cache[block_tables][:, :, :, :, None, :]
     out = (probs * v.float()).sum(dim=(1, 2))  # [B, H_kv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    return out.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
 
 
 @cache
-def _compiled_decode() -> Callable[..., torch.Tensor]:
+def _compiled_decode() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     return torch.compile(_decode, dynamic=True)
+
+
+def _paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, >= max_blocks]
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [B, H, D], lse [B, H]
+    num_seqs = query.shape[0]
+    max_blocks = -(-int(seq_lens.max()) // key_cache.shape[1])
+    tables = block_tables[:, :max_blocks].long()
+    # The kernel is compiled for dynamic shapes, but torch specialises sizes 0 and 1: one
+    # sequence or one block would compile it again. Pad both to two; the extra block is
+    # masked (past seq_len) and the extra row's output is dropped.
+    if max_blocks == 1:
+        tables = torch.cat([tables, tables], dim=1)
+    if num_seqs == 1:
+        query, tables, seq_lens = (torch.cat([t, t]) for t in (query, tables, seq_lens))
+    out, lse = _compiled_decode()(query, key_cache, value_cache, tables, seq_lens, scale)
+    return out[:num_seqs], lse[:num_seqs]
+
+
+# Cascade only when the shared prefix is long enough to pay for the extra pass and merge.
+CASCADE_MIN_TOKENS = 64
+
+
+def _shared_prefix(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, int]:
+    """Rows sharing the most common first block, and how many leading blocks they share."""
+    first = block_tables[:, 0]
+    rows = (first == first.mode().values).nonzero().squeeze(1)
+    if rows.numel() < 2:
+        return rows, 0
+    tables = block_tables[rows]
+    same = (tables == tables[0]).all(dim=0).long().cumprod(dim=0)
+    # Each row keeps at least its newest token in its own part.
+    shared = min(int(same.sum()), (int(seq_lens[rows].min()) - 1) // block_size)
+    return rows, shared
+
+
+def _prefix_attention(
+    query: torch.Tensor,  # [R, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,  # [k] the shared blocks, all full
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [R, H, D], lse [R, H]
+    rows, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = key_cache[blocks].flatten(0, 1).float().permute(1, 2, 0)  # [H_kv, D, P]
+    v = value_cache[blocks].flatten(0, 1).float().transpose(0, 1)  # [H_kv, P, D]
+    # Every row's query heads of one KV head in one GEMM: [H_kv, R*G, D] @ [H_kv, D, P].
+    q = (query.float() * scale).view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
+    scores = q.reshape(num_kv_heads, rows * group, head_dim) @ k  # [H_kv, R*G, P]
+    top = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(top).exp_()  # unnormalised, in place
+    denom = probs.sum(dim=-1, keepdim=True)
+    out = (probs @ v) / denom  # [H_kv, R*G, D]
+    lse = (top + denom.log()).squeeze(-1)  # [H_kv, R*G]
+    out = out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
+    lse = lse.view(num_kv_heads, rows, group).transpose(0, 1)
+    return out.reshape(rows, num_heads, head_dim), lse.reshape(rows, num_heads)
 
 
 def paged_attention_decode(
@@ -61,21 +128,43 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged context (see the reference)."""
+    """Attention of one new token per sequence over its paged context (see the reference).
+
+    Cascade attention for shared prefixes: when many sequences' block tables start with the
+    same blocks (one system prompt, prefix-cached), those blocks are read once for all of
+    them in one GEMM, each sequence's own blocks go through the fused kernel, and the two
+    softmaxes are merged by their log-sum-exps. Decode is bound by K/V reads, so this saves
+    the shared prefix's share of them.
+    """
     num_seqs = query.shape[0]
     if num_seqs == 0:
         return torch.empty_like(query)
-    max_blocks = -(-int(seq_lens.max()) // key_cache.shape[1])
-    tables = block_tables[:, :max_blocks].long()
-    # The kernel is compiled for dynamic shapes, but torch specialises sizes 0 and 1: one
-    # sequence or one block would compile it again. Pad both to two; the extra block is
-    # masked (past seq_len) and the extra row's output is dropped.
-    if max_blocks == 1:
-        tables = torch.cat([tables, tables], dim=1)
-    if num_seqs == 1:
-        query, tables, seq_lens = (torch.cat([t, t]) for t in (query, tables, seq_lens))
-    out = _compiled_decode()(query, key_cache, value_cache, tables, seq_lens, scale)
-    return out[:num_seqs]
+    block_size = key_cache.shape[1]
+    rows, shared = _shared_prefix(block_tables, seq_lens, block_size)
+    if shared * block_size < CASCADE_MIN_TOKENS:
+        out, _ = _paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return out.to(query.dtype)
+
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    others = torch.ones(num_seqs, dtype=torch.bool, device=query.device)
+    others[rows] = False
+    if bool(others.any()):
+        out[others], _ = _paged_decode(
+            query[others], key_cache, value_cache, block_tables[others], seq_lens[others], scale
+        )
+    q = query[rows]
+    pre_out, pre_lse = _prefix_attention(
+        q, key_cache, value_cache, block_tables[rows[0], :shared].long(), scale
+    )
+    own_out, own_lse = _paged_decode(
+        q, key_cache, value_cache, block_tables[rows, shared:],
+        seq_lens[rows] - shared * block_size, scale,
+    )
+    top = torch.maximum(pre_lse, own_lse)
+    w_pre = torch.exp(pre_lse - top)[..., None]
+    w_own = torch.exp(own_lse - top)[..., None]
+    out[rows] = (pre_out * w_pre + own_out * w_own) / (w_pre + w_own)
+    return out.to(query.dtype)
 
 
 def paged_attention_prefill(

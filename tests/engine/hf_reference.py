@@ -18,8 +18,11 @@ def hf_greedy(
     model_dir: Path, prompt: list[int], max_new_tokens: int
 ) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and per-step log-softmax ``[steps, vocab]`` (one prompt, no padding)."""
+    ids = torch.tensor([prompt])
     out = hf_model(model_dir).generate(
-        torch.tensor([prompt]),
+        ids,
+        # Explicit: without it generate masks every prompt token equal to pad_token_id.
+        attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
         do_sample=False,

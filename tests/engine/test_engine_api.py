@@ -87,7 +87,8 @@ def test_repetition_penalty_matches_transformers(engine: LLMEngine, tiny_model: 
                             repetition_penalty=1.5)
     ours = engine.generate([prompt], params)[0].token_ids
     ref = hf_model(tiny_model).generate(
-        torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=12, min_new_tokens=12, do_sample=False,
         repetition_penalty=1.5, pad_token_id=0,
     )[0, len(prompt):].tolist()
     assert ours == ref

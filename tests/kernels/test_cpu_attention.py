@@ -49,3 +49,31 @@ def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, de
     op = cpu.paged_attention_decode if decode else cpu.paged_attention_prefill
     ref = reference.paged_attention_decode if decode else reference.paged_attention_prefill
     assert_matches(op(*args), ref(*args))
+
+
+# Shared-prefix (cascade) decode: rows whose block tables start with the same blocks.
+CASCADE_SEQS = [(120, 1), (97, 1), (200, 1), (81, 1), (150, 1), (77, 1)]
+
+
+@pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
+    pytest.param(64, 16, (9, 3), id="d64-bs16-h9kv3"),
+    pytest.param(13, 32, (8, 1), id="d13-bs32-h8kv1"),
+    pytest.param(80, 16, (4, 4), id="d80-bs16-h4kv4"),
+])
+@pytest.mark.parametrize("sharing", ["all", "some"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, head_dim,
+                                                   block_size, heads, sharing, dtype) -> None:
+    batch = paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
+                        head_dim=head_dim, block_size=block_size, dtype=dtype)
+    shared_blocks = (CASCADE_SEQS[-1][0] - 1) // block_size  # every row keeps its own tail
+    sharers = range(len(CASCADE_SEQS)) if sharing == "all" else [0, 2, 3, 5]
+    tables = batch.block_tables.clone()
+    for row in sharers:
+        tables[row, :shared_blocks] = tables[0, :shared_blocks]
+    rows, shared = cpu._shared_prefix(tables, batch.seq_lens, block_size)
+    assert rows.tolist() == list(sharers) and shared == shared_blocks
+    assert shared * block_size >= cpu.CASCADE_MIN_TOKENS  # the cascade path really runs
+    args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
+            head_dim**-0.5)
+    assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
