@@ -42,7 +42,9 @@ def test_greedy_matches_transformers_on_smollm2() -> None:
     hf = hf_model(model_dir)
     for out in outs:
         ids = out.prompt_token_ids
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+        prompt = torch.tensor([ids])
+        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt),
+                          max_new_tokens=MAX_TOKENS, do_sample=False)
         ref_tokens = ref[0, len(ids):].tolist()
         assert out.token_ids == ref_tokens, out.text
         assert out.text.strip()
