@@ -6,6 +6,7 @@ results and statistics come back as :class:`JobResult` and :class:`JobStats`.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from datetime import UTC, datetime
@@ -96,7 +97,7 @@ class JobSpec(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: Sampling = Sampling()
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # the SQL column is a 32-bit integer
     metadata: dict[str, Any] = Field(default_factory=dict)
     deadline: datetime | None = None
     submitted_at: float = Field(default_factory=time.time)
@@ -106,6 +107,15 @@ class JobSpec(_Strict):
     def _aware(cls, value: datetime | None) -> datetime | None:
         if value is not None and value.tzinfo is None:
             return value.replace(tzinfo=UTC)
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _strict_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:  # NaN and infinities are not JSON: SQL JSON columns refuse them
+            json.dumps(value, allow_nan=False)
+        except ValueError as exc:
+            raise ValueError(f"metadata must be strict JSON: {exc}") from exc
         return value
 
     @model_validator(mode="after")

@@ -65,7 +65,7 @@ def _running_or_done(client: JobClient, ids: list[str]) -> bool:
 def test_sigkill_at_random_moments(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
                                    workers, tiny_model: str) -> None:  # type: ignore[no-untyped-def]
     rng = random.Random(7)
-    n_jobs, n_kills = (600, 20) if SOAK else (150, 5)
+    n_jobs, n_kills = (600, 20) if SOAK else (100, 3)
     specs = [_greedy(i, max_tokens=rng.choice((32, 256, 640))) for i in range(n_jobs)]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit(specs)
