@@ -34,10 +34,6 @@ class ModelRunner:
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.sampler = Sampler(seed)
-        if self.device.type == "cpu":
-            # Denormal activations make CPU matmuls several times slower; flushing them to
-            # zero costs nothing measurable in accuracy (process-wide setting).
-            torch.set_flush_denormal(True)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -65,6 +61,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
         """Compute the step; return the sampled token(s) per sampling sequence (by seq_id)."""
+        if self.device.type != "cpu":
+            return self._run(out)
+        # Denormal activations make CPU matmuls much slower; flush them to zero for the step.
+        # The flag is CPU state of the calling thread: restore it, so the process hosting the
+        # engine (and its floats) is left as it was.
+        torch.set_flush_denormal(True)
+        try:
+            return self._run(out)
+        finally:
+            torch.set_flush_denormal(False)
+
+    def _run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
         if out.block_copies:
             src, dst = zip(*out.block_copies, strict=True)
             self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
