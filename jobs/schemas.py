@@ -124,6 +124,13 @@ class JobSpec(_Strict):
             raise ValueError("a job needs exactly one of 'prompt' and 'messages'")
         return self
 
+    @model_validator(mode="after")
+    def _storable_text(self) -> JobSpec:
+        bad = _unstorable_text(self.model_dump(mode="json"))
+        if bad:
+            raise ValueError(f"the job contains {bad}, which the database cannot store")
+        return self
+
     def engine_prompt(self) -> str | list[dict[str, str]]:
         if self.messages is not None:
             return [m.model_dump() for m in self.messages]
@@ -133,6 +140,24 @@ class JobSpec(_Strict):
     def expired(self, now_s: float | None = None) -> bool:
         now_s = time.time() if now_s is None else now_s
         return self.deadline is not None and self.deadline.timestamp() <= now_s
+
+
+def _unstorable_text(value: Any) -> str | None:
+    """Name the first character SQL text/JSON cannot hold (NUL, a lone surrogate), if any."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "a NUL character (U+0000)"
+        if any("\ud800" <= c <= "\udfff" for c in value):
+            return "an unpaired UTF-16 surrogate"
+        return None
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, list):
+        for item in value:
+            bad = _unstorable_text(item)
+            if bad:
+                return bad
+    return None
 
 
 def encode_job(spec: JobSpec) -> str:
