@@ -32,7 +32,7 @@ DAY_S = 86400.0
 
 
 def settings_for(keys: Keys, database_url: str, **overrides: Any) -> ControlSettings:
-    from conftest import REDIS_URL  # tests/deploy/conftest.py
+    from services import REDIS_URL
 
     values: dict[str, Any] = {"redis_url": REDIS_URL, "database_url": database_url,
                               "key_prefix": keys.prefix, "batch_settle_s": 0.0,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import PG_URL  # tests/deploy/conftest.py
+from services import PG_URL
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import ProgrammingError
 

@@ -34,7 +34,7 @@ def _long(i: int, max_tokens: int) -> JobSpec:
 def _bare_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: sa.Engine,
                  redis_client: redis.Redis, **overrides):  # type: ignore[no-untyped-def]
     """A Worker whose loop and engine thread are not started: its parts are driven by hand."""
-    from conftest import worker_settings
+    from worker_harness import worker_settings
 
     from worker.loop import Worker
 
@@ -184,7 +184,7 @@ def test_result_refused_in_every_form_is_stored_bare(
 
 
 def test_worker_id_longer_than_the_column_is_refused(tiny_model: str, keys: Keys) -> None:
-    from conftest import worker_settings
+    from worker_harness import worker_settings
 
     with pytest.raises(ValidationError, match="128"):
         worker_settings(tiny_model, keys, "sqlite://", worker_id="w" * 129)

@@ -22,10 +22,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # 1e4 (so even a small weight on such a slot moves the output far past the tolerance).
 POISON_KEY = 30.0
 POISON_VALUE = 1e4
-# The shapes every attention kernel is tested on (STYLE 7 and the list).
-HEAD_DIMS = [64, 80, 13]
-BLOCK_SIZES = [16, 32]
-HEADS = [(4, 4), (9, 3), (8, 1)]  # (num_heads, num_kv_heads): GQA ratios 1, 3, 8
 # Relative to the largest reference element (and elementwise, on top).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
 
 from kernels import cpu, reference
 
@@ -14,7 +15,7 @@ DECODE_SEQS = [(1, 1), (15, 1), (16, 1), (17, 1), (333, 1), (40, 1)]
 PREFILL_SEQS = [(1, 1), (15, 15), (16, 16), (17, 17), (333, 77), (40, 1), (150, 150), (9, 0)]
 SHAPES = [
     pytest.param(d, bs, h, id=f"d{d}-bs{bs}-h{h[0]}kv{h[1]}")
-    for d, bs, h in itertools.product([64, 80, 13], [16, 32], [(4, 4), (9, 3), (8, 1)])
+    for d, bs, h in itertools.product(HEAD_DIMS, BLOCK_SIZES, HEADS)
 ]
 
 

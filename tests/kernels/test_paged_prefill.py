@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import BLOCK_SIZES, HEAD_DIMS, HEADS  # tests/kernels/conftest.py
+from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
 
 from kernels import reference
 from kernels.paged_prefill import _launch_paged_prefill

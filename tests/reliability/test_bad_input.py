@@ -15,10 +15,10 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, REPO, wait_until
-from conftest import SOAK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
+from services import SOAK
 from test_faults import record
 
 from jobs.client import JobClient
@@ -96,7 +96,7 @@ def test_arbitrary_stream_entries(redis_client: redis.Redis, keys: Keys, pg_engi
 
 def test_arbitrary_sdk_arguments(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
                                  pg_url: str, workers) -> None:  # type: ignore[no-untyped-def]
-    from conftest import REDIS_URL
+    from services import REDIS_URL
 
     worker = workers.start("sdk-fuzzed", max_model_len=256)
     refused: list[str] = []

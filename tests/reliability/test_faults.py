@@ -18,7 +18,7 @@ import pytest
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, audit, wait_until
-from conftest import SOAK
+from services import SOAK
 
 from jobs.client import JobClient
 from jobs.constants import Keys

@@ -14,7 +14,7 @@ import time
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, audit, wait_until
-from conftest import SOAK
+from services import SOAK
 from test_faults import record
 
 from jobs.constants import Keys
@@ -31,7 +31,7 @@ def _rows(start: int, n: int) -> list[dict]:  # type: ignore[type-arg]
 
 def test_load_through_the_sdk(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
                               pg_url: str, workers) -> None:  # type: ignore[no-untyped-def]
-    from conftest import REDIS_URL
+    from services import REDIS_URL
 
     n_jobs = 10_000 if SOAK else 2_000
     soak_s = float(os.environ.get("KVBATCH_SOAK_S", "300")) if SOAK else 0.0

@@ -6,49 +6,30 @@ from __future__ import annotations
 
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
-from sqlalchemy import text
+from services import REDIS_URL
 
 from jobs import db
+from jobs.constants import Keys
 from jobs.sdk import Client
 
-REDIS_URL = os.environ.get("KVBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PG_URL = os.environ.get(
-    "KVBATCH_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def key_prefix() -> Iterator[str]:
-    prefix = f"kvbatch-sdk-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(REDIS_URL, decode_responses=True)
-    stale = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-    if stale:
-        client.delete(*stale)
-    client.close()
+def key_prefix(keys: Keys) -> str:
+    return keys.prefix
 
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A migrated PostgreSQL schema of its own."""
-    schema = f"kvb_sdk_{uuid.uuid4().hex[:12]}"
-    admin = db.make_engine(PG_URL)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    url = f"{PG_URL}?options=-csearch_path%3D{schema}"
-    db.upgrade(url)
-    yield url
-    with admin.begin() as conn:
-        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
+def pg_url(pg_url: str) -> str:
+    """The test's PostgreSQL schema (tests/conftest.py), migrated."""
+    db.upgrade(pg_url)
+    return pg_url
 
 
 @pytest.fixture

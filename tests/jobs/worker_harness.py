@@ -1,0 +1,44 @@
+"""In-thread workers for the queue tests (imported by tests/jobs/conftest.py and tests)."""
+
+from __future__ import annotations
+
+from services import REDIS_URL
+
+from jobs.constants import Keys
+
+TINY_MODEL_NAME = "tiny"
+
+
+class RunningWorker:
+    """A worker running its loop in a thread of the test process."""
+
+    def __init__(self, worker) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        self.worker = worker
+        self.rc: int | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.rc = self.worker.run()
+
+    def stop(self, drain: bool = True, timeout_s: float = 30.0) -> int | None:
+        self.worker.stop(drain=drain)
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "worker did not stop"
+        return self.rc
+
+
+def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides):  # type: ignore[no-untyped-def]
+    from worker.settings import WorkerSettings
+
+    values = {
+        "model": tiny_model, "served_model_name": TINY_MODEL_NAME, "redis_url": REDIS_URL,
+        "database_url": database_url, "key_prefix": keys.prefix, "device": "cpu",
+        "num_kv_blocks": 512, "max_num_seqs": 16, "waiting_buffer": 4, "lease_ttl_s": 1.5,
+        "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0, "reconcile_grace_s": 0.0,
+        "poll_interval_ms": 10,
+    }
+    values.update(overrides)
+    return WorkerSettings(**values)
