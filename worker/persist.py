@@ -9,6 +9,7 @@ given up on (acked, logged) so one bad row never blocks the worker.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -21,6 +22,11 @@ from worker.outbox import Outbox
 from worker.retry import Backoff, is_outage, short_error
 
 log = logging.getLogger(__name__)
+
+# A failpoint for the reliability suite: with KVBATCH_FAILPOINT=exit-after-commit the process
+# dies right after storing results and before acknowledging any of them, the narrowest window
+# of at-least-once delivery. Read once; unset in production.
+EXIT_AFTER_COMMIT = os.environ.get("KVBATCH_FAILPOINT") == "exit-after-commit"
 
 
 class ResultWriter:
@@ -58,6 +64,8 @@ class ResultWriter:
             except SQLAlchemyError as exc2:
                 self._outage(now, exc2, len(batch))
                 return
+        if EXIT_AFTER_COMMIT:
+            os._exit(137)
         self.backoff.ok()
         self.unsaved = self.unsaved[len(batch):]
         self.outbox.ack([d.entry_id for _, d in batch if d is not None])

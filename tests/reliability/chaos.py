@@ -120,7 +120,8 @@ class WorkerProcs:
         self.procs: list[WorkerProc] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, **settings: object) -> WorkerProc:
+    def start(self, name: str, *, env: dict[str, str] | None = None,
+              **settings: object) -> WorkerProc:
         values: dict[str, object] = {
             "model": self.tiny_model, "served_model_name": MODEL, "redis_url": self.redis_url,
             "database_url": self.database_url, "key_prefix": self.keys.prefix,
@@ -132,7 +133,7 @@ class WorkerProcs:
         cmd = [sys.executable, "-m", "worker"]
         for key, value in values.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
         log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         with log_path.open("w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

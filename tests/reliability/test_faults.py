@@ -99,6 +99,34 @@ def test_sigkill_at_random_moments(redis_client: redis.Redis, keys: Keys, pg_eng
            results_equal_reference=n_jobs - len(mismatched))
 
 
+def test_death_between_sql_commit_and_xack(redis_client: redis.Redis, keys: Keys,
+                                           pg_engine: sa.Engine, workers,
+                                           tiny_model: str) -> None:  # type: ignore[no-untyped-def]
+    """The narrowest window: results stored, entries not acknowledged. The next worker must
+    find them done (no second run, no second terminal row) and acknowledge them."""
+    specs = [_greedy(i, max_tokens=8) for i in range(40)]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit(specs)
+    crashing = workers.start("w-commit", env={"KVBATCH_FAILPOINT": "exit-after-commit"})
+    assert crashing.proc.wait(120) == 137, crashing.log()[-2000:]
+    stored = client.store.terminal_ids(ids)
+    queue = JobQueue(redis_client, MODEL, keys)
+    assert stored and queue.depth()[1] >= len(stored)  # stored, still pending: never acked
+    workers.start("w-next")
+    wait_until(lambda: _all_terminal(client, ids), 120, interval_s=0.5, what="all terminal")
+    wait_until(lambda: queue.depth() == (0, 0), 30, what="stream drained")
+    result = audit(pg_engine, ids)
+    assert result.lost == 0 and result.duplicate_terminal_rows == 0, result
+    infos = {i.id: i for i in client.get_many(ids)}
+    assert {i.status for i in infos.values()} == {JobStatus.SUCCEEDED}
+    reference = _reference(tiny_model, specs)
+    assert all(infos[j].result.token_ids == reference[j] for j in ids)
+    # Jobs stored before the crash were not run again: one attempt, their first worker's row.
+    assert all(infos[j].attempts == 1 and infos[j].worker_id == "w-commit" for j in stored)
+    record("exit_after_commit", jobs=len(ids), stored_before_exit=len(stored),
+           lost=result.lost, duplicate_terminal_rows=result.duplicate_terminal_rows)
+
+
 def test_redis_restart_with_data_loss(own_redis, keys: Keys, pg_engine: sa.Engine, pg_url: str,
                                       tiny_model: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from chaos import WorkerProcs
