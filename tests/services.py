@@ -1,8 +1,14 @@
-"""The real services every test directory talks to (override with the environment)."""
+"""The real services every test directory talks to (override with the environment), and
+waiting on them."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 REDIS_URL = os.environ.get("KVBATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 PG_URL = os.environ.get(
@@ -10,3 +16,17 @@ PG_URL = os.environ.get(
 )
 # Full-size reliability runs (10,000 jobs, soak, more kills and inputs).
 SOAK = os.environ.get("KVBATCH_SOAK") == "1"
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float, interval_s: float = 0.1,
+    what: str = "condition",
+) -> T:
+    """Poll ``predicate`` until it returns something truthy; return that."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"{what} not met within {timeout_s}s")

@@ -3,9 +3,8 @@ are in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from services import wait_until
 from sqlalchemy import Engine
 from worker_harness import RunningWorker, worker_settings
 
@@ -46,14 +45,7 @@ def start_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: Engine):  
 
 
 def _wait_for(predicate, timeout_s: float = 30.0, interval_s: float = 0.05):  # type: ignore[no-untyped-def]
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"condition not met within {timeout_s}s")
+    return wait_until(predicate, timeout_s, interval_s)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
+from services import wait_until
 
 from jobs.constants import Keys
 
@@ -30,16 +31,6 @@ def free_port(start: int = 6390) -> int:
                 continue
             return port
     raise RuntimeError("no free port")
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.1, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"{what} not met within {timeout_s}s")
 
 
 class RedisServer:
