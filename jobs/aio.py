@@ -169,7 +169,8 @@ class AsyncClient:
         Args:
             rows: plain or OpenAI Batch API rows.
             **kwargs: as :meth:`jobs.sdk.Client.submit_batch` (``batch_id``, ``model``,
-                ``system_prompt``, ``priority``, ``deadline``, sampling defaults).
+                ``system_prompt``, ``priority``, ``deadline``, ``webhook_url``, sampling
+                defaults).
 
         Raises:
             ValueError: a malformed row; nothing was enqueued.

@@ -36,6 +36,7 @@ class BulkOptions:
         system_prompt: prepended to rows without a system message.
         defaults: sampling fields for rows that do not set them.
         priority: default priority.
+        webhook_url: the batch's completion webhook (POSTed by ``kvbatch control``).
         progress: show a progress bar (on stderr).
     """
 
@@ -46,6 +47,7 @@ class BulkOptions:
     system_prompt: str | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     priority: int = 0
+    webhook_url: str | None = None
     progress: bool = True
 
 
@@ -135,7 +137,7 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
         tally.skipped = len(rows) - len(todo)
         batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
                                     system_prompt=opts.system_prompt, priority=opts.priority,
-                                    **opts.defaults)
+                                    webhook_url=opts.webhook_url, **opts.defaults)
         kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
         whole = len(kinds) == len(batch.job_ids)
         with _progress(len(rows), tally.skipped, opts.progress) as bar:

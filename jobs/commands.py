@@ -40,6 +40,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     submit.add_argument("--seed", type=int, help="default for rows that set none")
     submit.add_argument("--priority", type=int, default=0, help="lower runs first")
     submit.add_argument("--batch-id", help="default: derived from the input and output paths")
+    submit.add_argument("--webhook-url",
+                        help="POSTed the batch's completion event (by kvbatch control)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
     _connection_arguments(submit)
     submit.set_defaults(func=_guarded(_submit))
@@ -108,7 +110,7 @@ def _submit(args: argparse.Namespace) -> int:
         output=args.output, errors=None if args.errors == "inline" else Path(args.errors),
         batch_id=args.batch_id or default_batch_id(args.input, args.output), model=args.model,
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
-        progress=args.progress,
+        webhook_url=args.webhook_url, progress=args.progress,
     )
     print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
     with _client(args, args.model) as client:

@@ -267,8 +267,8 @@ class Client:
     def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row], *,
                      batch_id: str | None = None, model: str | None = None,
                      system_prompt: str | None = None, priority: int = 0,
-                     deadline: datetime | None = None, chunk_size: int = 1000,
-                     **defaults: Any) -> BatchHandle:
+                     deadline: datetime | None = None, webhook_url: str | None = None,
+                     chunk_size: int = 1000, **defaults: Any) -> BatchHandle:
         """Submit many rows as one batch, pipelined (one transaction and one Redis pipeline
         per ``chunk_size`` rows). ``custom_id`` is the idempotency key: rows the batch already
         holds are not submitted again, so resubmitting a batch never runs a row twice.
@@ -282,7 +282,10 @@ class Client:
             system_prompt: prepended as a system message to rows without one (a plain
                 ``prompt`` row becomes a chat; OpenAI ``/v1/completions`` rows stay raw text).
             priority: default priority of the rows.
-            deadline: every row expires if not finished by then.
+            deadline: every row expires if not finished by then; the batch is marked expired
+                then too (by the control plane).
+            webhook_url: POSTed the batch's completion event by the control plane
+                (``kvbatch control``), with retries.
             chunk_size: rows per SQL transaction and Redis pipeline.
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
@@ -303,6 +306,8 @@ class Client:
             except ValueError as exc:
                 raise ValueError(f"row {index}: {exc}") from exc
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size)
+        if specs and (webhook_url is not None or deadline is not None):
+            self.jobs.store.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
         return BatchHandle(self, batch_id, job_ids)
 
     def job(self, job_id: str) -> JobHandle:

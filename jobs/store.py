@@ -110,6 +110,18 @@ class JobStore:
                                     .values(num_jobs=Batch.num_jobs + n))
             session.execute(insert(Job), [_job_row(s, now) for s in specs])
 
+    def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
+                        deadline: datetime | None = None) -> None:
+        """Set a batch's completion webhook and its deadline (the batch row must exist)."""
+        values: dict[str, Any] = {}
+        if webhook_url is not None:
+            values["webhook_url"] = webhook_url
+        if deadline is not None:
+            values["deadline_at"] = deadline if deadline.tzinfo else deadline.replace(tzinfo=UTC)
+        if values:
+            with Session(self.engine) as session, session.begin():
+                session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+
     def request_cancel(self, job_id: str, now_s: float) -> JobStatus | None:
         """Cancel a queued job at once; flag a running one (the caller tells its worker).
         Returns the job's status afterwards, or None for an unknown job."""

@@ -107,3 +107,22 @@ def test_async_client_parity(services, start_worker) -> None:  # type: ignore[no
                 await client.submit(prompt="x", top_k="all")
 
     asyncio.run(main())
+
+
+def test_submit_batch_sets_the_batch_webhook_and_deadline(client: Client) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy.orm import Session
+
+    from jobs.models import Batch
+
+    deadline = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+    client.submit_batch([{"custom_id": "a", "prompt": "hi"}], batch_id="hooked",
+                        webhook_url="http://127.0.0.1:9/hook", deadline=deadline, max_tokens=2)
+    client.submit_batch([{"custom_id": "b", "prompt": "hi"}], batch_id="plain", max_tokens=2)
+    with Session(client.jobs.store.engine) as session:
+        hooked, plain = session.get(Batch, "hooked"), session.get(Batch, "plain")
+    assert hooked is not None and plain is not None
+    assert hooked.webhook_url == "http://127.0.0.1:9/hook"
+    assert hooked.deadline_at is not None and hooked.deadline_at.timestamp() == deadline.timestamp()
+    assert plain.webhook_url is None and plain.deadline_at is None

@@ -155,13 +155,10 @@ def mark_notified(engine: Engine, batch_id: str, now_s: float) -> None:
 def configure(engine: Engine, batch_id: str, *, webhook_url: str | None = None,
               deadline_s: float | None = None) -> None:
     """Set a batch's own webhook and deadline (the batch row must exist)."""
-    values: dict[str, Any] = {}
-    if webhook_url is not None:
-        values["webhook_url"] = webhook_url
-    if deadline_s is not None:
-        values["deadline_at"] = to_dt(deadline_s)
-    if values:
-        _set(engine, batch_id, **values)
+    JobStore(engine).configure_batch(
+        batch_id, webhook_url=webhook_url,
+        deadline=to_dt(deadline_s) if deadline_s is not None else None,
+    )
 
 
 def _set(engine: Engine, batch_id: str, **values: Any) -> None:
