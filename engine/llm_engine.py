@@ -124,13 +124,19 @@ class LLMEngine:
 
         Raises:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
-                or a prompt that leaves no room for one token within ``max_model_len``.
+                a prompt that leaves no room for one token within ``max_model_len``, or more
+                parallel samples (``n``) than ``max_num_seqs``.
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.n > self.config.max_num_seqs:
+            # Its samples could never run at once: it would wait forever.
+            raise ValueError(
+                f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
+            )
         token_ids = self.processor.tokenize(prompt)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))

@@ -158,6 +158,12 @@ def test_bad_prompts_fail_alone(engine: LLMEngine) -> None:
     assert len(outs[4].token_ids) == 12 and outs[4].error is None
 
 
+def test_more_samples_than_seats_is_refused(tiny_model: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=64, max_num_seqs=2))
+    (out,) = engine.generate([[1, 2, 3]], SamplingParams(n=3, temperature=1.0, max_tokens=2))
+    assert out.finish_reason == "error" and "max_num_seqs" in (out.error or "")
+
+
 def test_abort_frees_blocks_and_reports(engine: LLMEngine) -> None:
     engine.add_request("a", list(range(50)), GREEDY)
     engine.add_request("b", list(range(60, 70)), GREEDY)
