@@ -26,7 +26,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# gcc and the Python headers: Triton compiles its kernel launcher on first use.
+# gcc and the Python headers: Triton compiles its kernel launcher on first use (and the CPU
+# decode kernel, kernels/cpu_decode.c, is built by gcc on a CPU-only worker).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
        ca-certificates tini \

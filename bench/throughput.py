@@ -1,8 +1,12 @@
 """Throughput of kvbatch's engine against transformers' static batching, in one run.
 
-    python bench/throughput.py                        # all workloads, 256 requests each, bf16
+    python bench/throughput.py                        # all workloads, 256 requests each
     python bench/throughput.py --num-requests 32 --max-output 64 --workloads mixed   # ~1 min
     kvbatch bench ...                                 # the same
+
+The dtype defaults to ``auto``: bfloat16 where the CPU multiplies it natively (AVX512-BF16 or
+AMX), float32 elsewhere (on AVX2-only CPUs torch's bf16 matmul runs at ~1 GFLOP/s, a hundred
+times slower than float32, for both systems alike).
 
 Both systems get the same prompts (token ids), the same weights, dtype and thread count, and
 produce exactly the requested number of tokens per request (EOS ignored, greedy).
@@ -270,6 +274,12 @@ def summarize(workload: str, res: SystemResult, base: SystemResult, peak: float)
     }
 
 
+def native_dtype() -> str:
+    """The faster dtype for this CPU: bfloat16 with native bf16 dot products, else float32."""
+    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if native_bf16 else "float32"
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
@@ -279,13 +289,17 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, {threads} threads, torch {torch.__version__}"
+    isa = torch.backends.cpu.get_cpu_capability()
+    bf16 = "native bf16" if native_dtype() == "bfloat16" else "no native bf16"
+    return (f"{cpu} ({isa}, {bf16}), {os.cpu_count()} cores, {threads} threads, "
+            f"torch {torch.__version__}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-output", type=int, default=256, help="cap on output lengths")
@@ -301,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        args.dtype = native_dtype()
     dtype = getattr(torch, args.dtype)
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,

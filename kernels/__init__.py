@@ -1,10 +1,10 @@
 """Paged-KV attention ops and the one place that picks their implementation.
 
-``torch`` is the reference in ``kernels/reference.py`` (eager, the spec); ``inductor`` is the
-same maths fused by ``torch.compile`` for the CPU (``kernels/cpu.py``); ``triton`` runs the
-Triton kernels (the CUDA path, or the CPU under ``TRITON_INTERPRET=1`` for tests). ``auto``
-picks Triton on CUDA and inductor elsewhere; ``KVBATCH_ATTENTION_BACKEND`` overrides the
-choice.
+``torch`` is the reference in ``kernels/reference.py`` (eager, the spec); ``cpu`` is the CPU
+path (``kernels/cpu.py``: a native C decode kernel, cascade decode, fused SDPA prefill);
+``triton`` runs the Triton kernels (the CUDA path, or the CPU under ``TRITON_INTERPRET=1``
+for tests). ``auto`` picks Triton on CUDA and the CPU ops elsewhere;
+``KVBATCH_ATTENTION_BACKEND`` overrides the choice.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from kernels import reference
 
-BACKENDS = ("auto", "torch", "inductor", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
 BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
 
 
@@ -37,12 +37,12 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if choice not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "inductor"
+        return "triton" if device.type == "cuda" else "cpu"
     return choice
 
 
 def get_ops(backend: str) -> AttentionOps:
-    """The ops of a resolved backend (``torch``, ``inductor`` or ``triton``)."""
+    """The ops of a resolved backend (``torch``, ``cpu`` or ``triton``)."""
     if backend == "torch":
         return AttentionOps(
             name="torch",
@@ -50,11 +50,11 @@ def get_ops(backend: str) -> AttentionOps:
             decode=reference.paged_attention_decode,
             prefill=reference.paged_attention_prefill,
         )
-    if backend == "inductor":
+    if backend == "cpu":
         from kernels import cpu
 
         return AttentionOps(
-            name="inductor",
+            name="cpu",
             reshape_and_cache=cpu.reshape_and_cache,
             decode=cpu.paged_attention_decode,
             prefill=cpu.paged_attention_prefill,

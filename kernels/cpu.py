@@ -1,79 +1,24 @@
-"""CPU paged attention fast enough to serve from: the reference's maths, fused by inductor.
+"""CPU paged attention fast enough to serve from; same signatures and semantics as the reference.
 
 Decode is memory-bound: the reference gathers every sequence's K/V into a padded copy, upcasts
-it and then reads it again. Here the same computation is written as elementwise products and
-reductions over the block pool, which ``torch.compile`` turns into one C++ loop nest that reads
-each K/V element once straight from its block (gather, upcast, dot product and masking fused),
-with float32 accumulation whatever the cache dtype. Prefill chunks are compute-bound and go
-through torch's fused CPU attention (``scaled_dot_product_attention``) per sequence.
+it and then reads it again. Here it runs in a C kernel (``kernels/cpu_decode.c``, built by
+``kernels.native``) that reads each K/V element once straight from its block, with float32
+accumulation whatever the cache dtype, plus cascade attention for shared prefixes. Prefill
+chunks are compute-bound and go through torch's fused CPU attention
+(``scaled_dot_product_attention``) per sequence.
 
-Same signatures and semantics as ``kernels.reference``; checked against it in the tests.
+Checked against ``kernels.reference`` in the tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 
+from kernels.native import paged_decode
 from kernels.reference import gather_kv, reshape_and_cache
 
 __all__ = ["paged_attention_decode", "paged_attention_prefill", "reshape_and_cache"]
-
-
-def _decode(
-    query: torch.Tensor,  # [B, H, D]
-    key_cache: torch.Tensor,  # [N, block_size, H_kv, D]
-    value_cache: torch.Tensor,  # [N, block_size, H_kv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks] int64
-    seq_lens: torch.Tensor,  # [B]
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, D] float32, lse [B, H] float32
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
-    q = query.float().view(num_seqs, 1, 1, num_kv_heads, group, head_dim)
-    k = key_cache[block_tables][:, :, :, :, None, :]  # [B, nb, bs, H_kv, 1, D], fused gather
-    scores = (q * k.float()).sum(-1) * scale  # [B, nb, bs, H_kv, G]
-    pos = torch.arange(max_blocks * block_size, device=query.device)
-    pad = pos.view(1, max_blocks, block_size, 1, 1) >= seq_lens.view(num_seqs, 1, 1, 1, 1)
-    scores = scores.masked_fill(pad, float("-inf")).view(num_seqs, -1, num_kv_heads, group)
-    lse = torch.logsumexp(scores, dim=1)  # [B, H_kv, G]
-    probs = torch.exp(scores - lse[:, None])
-    probs = probs.view(num_seqs, max_blocks, block_size, num_kv_heads, group, 1)
-    v = value_cache[block_tables][:, :, :, :, None, :]
-    out = (probs * v.float()).sum(dim=(1, 2))  # [B, H_kv, G, D]
-    return out.reshape(num_seqs, num_heads, head_dim), lse.reshape(num_seqs, num_heads)
-
-
-@cache
-def _compiled_decode() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(_decode, dynamic=True)
-
-
-def _paged_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, >= max_blocks]
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [B, H, D], lse [B, H]
-    num_seqs = query.shape[0]
-    max_blocks = -(-int(seq_lens.max()) // key_cache.shape[1])
-    tables = block_tables[:, :max_blocks].long()
-    # The kernel is compiled for dynamic shapes, but torch specialises sizes 0 and 1: one
-    # sequence or one block would compile it again. Pad both to two; the extra block is
-    # masked (past seq_len) and the extra row's output is dropped.
-    if max_blocks == 1:
-        tables = torch.cat([tables, tables], dim=1)
-    if num_seqs == 1:
-        query, tables, seq_lens = (torch.cat([t, t]) for t in (query, tables, seq_lens))
-    out, lse = _compiled_decode()(query, key_cache, value_cache, tables, seq_lens, scale)
-    return out[:num_seqs], lse[:num_seqs]
 
 
 # Cascade only when the shared prefix is long enough to pay for the extra pass and merge.
@@ -142,21 +87,21 @@ def paged_attention_decode(
     block_size = key_cache.shape[1]
     rows, shared = _shared_prefix(block_tables, seq_lens, block_size)
     if shared * block_size < CASCADE_MIN_TOKENS:
-        out, _ = _paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        out, _ = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
         return out.to(query.dtype)
 
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     others = torch.ones(num_seqs, dtype=torch.bool, device=query.device)
     others[rows] = False
     if bool(others.any()):
-        out[others], _ = _paged_decode(
+        out[others], _ = paged_decode(
             query[others], key_cache, value_cache, block_tables[others], seq_lens[others], scale
         )
     q = query[rows]
     pre_out, pre_lse = _prefix_attention(
         q, key_cache, value_cache, block_tables[rows[0], :shared].long(), scale
     )
-    own_out, own_lse = _paged_decode(
+    own_out, own_lse = paged_decode(
         q, key_cache, value_cache, block_tables[rows, shared:],
         seq_lens[rows] - shared * block_size, scale,
     )

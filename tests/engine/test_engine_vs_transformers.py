@@ -29,7 +29,7 @@ ENGINE_VARIANTS = {
     # 10 blocks of 16 tokens for 6 sequences of up to 80 tokens: preemption is unavoidable.
     "preempting": dict(num_kv_blocks=10, max_num_batched_tokens=64),
     "block-size-8": dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=33),
-    # The CPU default is the inductor backend; the eager reference must agree too.
+    # The CPU default is the cpu backend; the eager reference must agree too.
     "reference-attention": dict(num_kv_blocks=128, attention_backend="torch"),
 }
 
@@ -73,7 +73,7 @@ def test_engine_variants_match_transformers(tiny_model: Path, variant: str) -> N
     engine, outputs = _run(tiny_model, prompts, **ENGINE_VARIANTS[variant])
     _check_against_hf(tiny_model, prompts, outputs)
     assert engine.info.attention_backend == ENGINE_VARIANTS[variant].get(
-        "attention_backend", "inductor"
+        "attention_backend", "cpu"
     )
     stats = engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total, "blocks leaked"

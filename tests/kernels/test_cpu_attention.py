@@ -1,13 +1,15 @@
-"""The inductor CPU ops (kernels/cpu.py) against the reference on awkward paged batches."""
+"""The CPU ops (kernels/cpu.py, native decode) against the reference on awkward paged batches."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
 
+from engine.models.loader import cache_dir
 from kernels import cpu, reference
 
 # (seq_len, q_len) per sequence.
@@ -78,3 +80,24 @@ def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, h
     args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
             head_dim**-0.5)
     assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+
+
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(333, 1)], [(16, 1), (17, 1)]],
+                         ids=["one-token", "one-seq", "two-seqs"])
+def test_decode_of_tiny_batches(paged_batch, assert_matches, seqs) -> None:
+    batch = paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    args = _args(batch, decode=True)
+    assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+
+
+def test_decode_kernel_is_built_once_per_cpu_and_refuses_other_dtypes() -> None:
+    from kernels import native
+
+    lib = native.library()
+    assert native.library() is lib
+    assert Path(lib._name).parent == cache_dir() / "kernels"
+    cache = torch.zeros(4, 16, 1, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"no CPU decode kernel for a torch\.float64"):
+        native.paged_decode(torch.zeros(1, 1, 8), cache, cache,
+                            torch.zeros(1, 1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), 1.0)
