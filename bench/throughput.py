@@ -98,7 +98,7 @@ def model_shape(engine: LLMEngine) -> ModelShape:
         q_size=q_size,
         vocab=model.config.vocab_size,
         params_per_token=params,
-        kv_bytes_per_token=engine.info.kv_bytes_per_block // engine.config.block_size,
+        kv_bytes_per_token=engine.info.kv_bytes_per_block // engine.info.block_size,
     )
 
 
@@ -123,7 +123,7 @@ def matmul_peak_flops(dtype: torch.dtype, seconds: float = 1.5) -> float:
 
 def run_kvbatch(engine: LLMEngine, w: Workload, shape: ModelShape) -> SystemResult:
     kv = engine.kv
-    bs = engine.config.block_size
+    bs = engine.info.block_size
     before = engine.stats()
     t0 = time.monotonic()
     for i, (prompt, max_tokens) in enumerate(zip(w.prompts, w.max_tokens, strict=True)):

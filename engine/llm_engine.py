@@ -51,6 +51,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = config.resolve_device()
+        block_size = config.resolve_block_size(device)
         model_dir = loader.resolve_model_dir(config.model)
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
@@ -64,19 +65,19 @@ class LLMEngine:
         model = model.to(dtype=config.torch_dtype).eval()
 
         per_block = (
-            2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
+            2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
             * config.torch_dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, _kv_budget(config, device) // per_block)
-        if num_blocks * config.block_size < max_model_len:
+        if num_blocks * block_size < max_model_len:
             log.warning(
                 "KV pool holds %d tokens: max_model_len lowered from %d",
-                num_blocks * config.block_size,
+                num_blocks * block_size,
                 max_model_len,
             )
-            max_model_len = num_blocks * config.block_size
+            max_model_len = num_blocks * block_size
         kv_caches = torch.zeros(
-            (model.num_layers, 2, num_blocks, config.block_size, model.num_kv_heads,
+            (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads,
              model.head_dim),
             dtype=config.torch_dtype,
             device=device,
@@ -84,16 +85,17 @@ class LLMEngine:
         self.info = RuntimeInfo(
             device=device,
             attention_backend=backend,
+            block_size=block_size,
             num_kv_blocks=num_blocks,
             kv_bytes_per_block=per_block,
             max_model_len=max_model_len,
             vocab_size=hf_config.vocab_size,
             eos_token_ids=loader.eos_token_ids(model_dir, hf_config, self.tokenizer),
         )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.runner = ModelRunner(
-            model, kv_caches, config.block_size, self.info.eos_token_ids, config.seed
+            model, kv_caches, block_size, self.info.eos_token_ids, config.seed
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()

@@ -41,7 +41,7 @@ class WorkerSettings(BaseSettings):
     device: str = "auto"
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int = Field(16, ge=1)
+    block_size: int | None = Field(None, ge=1)  # 16 on CUDA, 8 on the CPU
     num_kv_blocks: int | None = Field(None, ge=1)
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
     max_model_len: int | None = Field(None, ge=1)

@@ -27,8 +27,8 @@ ENGINE_VARIANTS = {
         num_kv_blocks=128, enable_chunked_prefill=False, max_num_batched_tokens=256
     ),
     # 10 blocks of 16 tokens for 6 sequences of up to 80 tokens: preemption is unavoidable.
-    "preempting": dict(num_kv_blocks=10, max_num_batched_tokens=64),
-    "block-size-8": dict(num_kv_blocks=256, block_size=8, max_num_batched_tokens=33),
+    "preempting": dict(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64),
+    "block-size-16": dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=33),
     # The CPU default is the cpu backend; the eager reference must agree too.
     "reference-attention": dict(num_kv_blocks=128, attention_backend="torch"),
 }
