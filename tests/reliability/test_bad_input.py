@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, REPO, wait_until
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from services import SOAK
@@ -104,6 +104,7 @@ def test_arbitrary_sdk_arguments(redis_client: redis.Redis, keys: Keys, pg_engin
     with Client(REDIS_URL, pg_url, key_prefix=keys.prefix, model=MODEL) as sdk:
 
         @FAST
+        @example(prompt="", sampling={"temperature": math.inf}, priority=0, metadata=None)
         @given(prompt=prompts, sampling=sampling_values,
                priority=st.integers(-(2**40), 2**40) | st.text(max_size=3),
                metadata=st.none() | st.dictionaries(st.text(max_size=5), json_values,
