@@ -2,66 +2,198 @@
  *
  * Built and loaded by kernels/native.py (gcc -O3 -march=native -fopenmp, cached per CPU).
  * Same maths as kernels/reference.py's decode, with float32 accumulation whatever the cache
- * dtype. Each (sequence, KV head) is one task: it reads every K and V row of its head once,
- * straight from its block, and keeps the group's queries and accumulators in L1; the softmax
- * runs online one block at a time (one rescale per block, not per token). Besides the output
- * it returns the log-sum-exp of the scores, by which cascade attention merges partial results.
+ * dtype. Each sequence is one task: it walks its blocks in order, reads every K and V row
+ * once straight from its block, and keeps its queries and accumulators in L1. The work is
+ * written with GCC/Clang vector types of 16 floats, which the compiler maps onto AVX-512,
+ * AVX2 or NEON registers: a block's K and V rows of one KV head are widened to float32 once
+ * (bf16 by a shift, fp16 by conversion; float32 rows are read in place), every query of the
+ * group is dotted with every key of the block, and the softmax runs online one block at a
+ * time with a vectorisable exp. Besides the output it returns the log-sum-exp of the scores,
+ * by which cascade attention merges partial results.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
+enum { VL = 16 }; /* floats per vector */
 
-/* One head's row of the cache as float32: the row itself, or widened into `buf`. */
-static inline const float *load_row(const char *src, int kv_dtype, int64_t n, float *buf) {
-    if (kv_dtype == KV_FLOAT32) return (const float *)src;
-    if (kv_dtype == KV_BFLOAT16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int64_t i = 0; i < n; i++) {
-            const uint32_t bits = (uint32_t)s[i] << 16;
-            memcpy(&buf[i], &bits, sizeof(float));
-        }
-    } else {
-        const _Float16 *s = (const _Float16 *)src;
-        for (int64_t i = 0; i < n; i++) buf[i] = (float)s[i];
-    }
-    return buf;
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* exp(x) for x <= 0 (Cephes' polynomial, ~1 ulp); 0 for x below about -87. */
+INLINE float exp_neg(float x) {
+    const float lo = -87.0f;
+    const float clamped = x < lo ? lo : x;
+    const float k = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round */
+    float r = clamped - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < lo ? 0.0f : y * scale;
 }
 
-/* score[g][t] = q[g] . k[t] for the n (<= TILE) rows of a tile. Every query row is dotted
- * with TILE key rows at once: TILE independent accumulator chains instead of one. */
-enum { TILE = 4 };
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 
-static inline void tile_scores(int64_t group, int64_t head_dim, int64_t stride,
-                               const float (*q)[head_dim], const float *const k[TILE],
-                               int64_t n, int64_t t0, float (*score)[stride]) {
-    for (int64_t g = 0; g < group; g++) {
-        if (n == TILE) {
-            const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3];
-            float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-            for (int64_t d = 0; d < head_dim; d++) {
-                const float qd = q[g][d];
-                s0 += qd * k0[d];
-                s1 += qd * k1[d];
-                s2 += qd * k2[d];
-                s3 += qd * k3[d];
+/* Sum of the lanes, as a tree (a chain of scalar adds is four times longer). */
+INLINE float hsum(vf v) {
+    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+                  __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* One KV head's n rows of a block (stride bytes apart) as float32 rows of `width` floats:
+ * the rows in place when they already are, else widened into `buf` (zero-padded). */
+INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, int64_t dim,
+                     int64_t width, int direct, float *buf, const float **rows) {
+    for (int64_t t = 0; t < n; t++) {
+        const char *row = src + t * stride;
+        float *dst = buf + t * width;
+        if (direct) {
+            rows[t] = (const float *)row;
+            continue;
+        }
+        rows[t] = dst;
+        if (dim == width) {
+            for (int64_t c = 0; c < width; c += VL) {
+                vf x;
+                if (kv_dtype == KV_FLOAT32) {
+                    x = *(const vf_u *)(row + c * 4);
+                } else if (kv_dtype == KV_BFLOAT16) {
+                    const vu bits = __builtin_convertvector(*(const vh_u *)(row + c * 2), vu) << 16;
+                    memcpy(&x, &bits, sizeof x);
+                } else {
+                    x = __builtin_convertvector(*(const vhf_u *)(row + c * 2), vf);
+                }
+                memcpy(dst + c, &x, sizeof x);
             }
-            score[g][t0] = s0;
-            score[g][t0 + 1] = s1;
-            score[g][t0 + 2] = s2;
-            score[g][t0 + 3] = s3;
-        } else {
-            for (int64_t t = 0; t < n; t++) {
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < head_dim; d++) s += q[g][d] * k[t][d];
-                score[g][t0 + t] = s;
+            continue;
+        }
+        for (int64_t d = 0; d < dim; d++) {
+            if (kv_dtype == KV_FLOAT32) {
+                dst[d] = ((const float *)row)[d];
+            } else if (kv_dtype == KV_BFLOAT16) {
+                const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+                memcpy(&dst[d], &bits, sizeof(float));
+            } else {
+                dst[d] = (float)((const _Float16 *)row)[d];
+            }
+        }
+        for (int64_t d = dim; d < width; d++) dst[d] = 0.0f;
+    }
+}
+
+INLINE vf loadv(const float *p) { return *(const vf_u *)p; }
+INLINE void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* One sequence. `width` is head_dim rounded up to whole vectors; a compile-time constant in
+ * the specialised copies below, so that their loops unroll and stay in registers. */
+INLINE void decode_seq(const float *query, const char *key_cache, const char *value_cache,
+                       int kv_dtype, const int32_t *table, int64_t seq_len, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const int64_t width,
+                       int64_t block_size, float scale, float *out, float *lse) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t elem = kv_dtype == KV_FLOAT32 ? 4 : 2;
+    const int64_t row_bytes = head_dim * elem;
+    const int64_t token_bytes = num_kv_heads * row_bytes;
+    const int64_t block_bytes = block_size * token_bytes;
+    const int direct = kv_dtype == KV_FLOAT32 && head_dim == width;
+
+    float q[num_heads][width], acc[num_heads][width];
+    float kbuf[block_size][width], vbuf[block_size][width], p[group][block_size];
+    float run_max[num_heads], run_sum[num_heads];
+    const float *krows[block_size], *vrows[block_size];
+    for (int64_t h = 0; h < num_heads; h++) {
+        for (int64_t d = 0; d < width; d++) {
+            q[h][d] = d < head_dim ? query[h * head_dim + d] * scale : 0.0f;
+            acc[h][d] = 0.0f;
+        }
+        run_max[h] = -INFINITY;
+        run_sum[h] = 0.0f;
+    }
+    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
+    for (int64_t blk = 0; blk < num_blocks; blk++) {
+        const int64_t left = seq_len - blk * block_size;
+        const int64_t n = left < block_size ? left : block_size;
+        const int64_t block = (int64_t)table[blk] * block_bytes;
+        /* The blocks are scattered over the pool, which defeats the hardware prefetcher:
+         * ask for the next block's K and V while this one is computed. */
+        if (blk + 1 < num_blocks) {
+            const int64_t next = (int64_t)table[blk + 1] * block_bytes;
+            for (int64_t off = 0; off < block_bytes; off += 64) {
+                __builtin_prefetch(key_cache + next + off);
+                __builtin_prefetch(value_cache + next + off);
+            }
+        }
+        for (int64_t kh = 0; kh < num_kv_heads; kh++) {
+            const char *keys = key_cache + block + kh * row_bytes;
+            const char *values = value_cache + block + kh * row_bytes;
+            rows_f32(keys, token_bytes, kv_dtype, n, head_dim, width, direct, &kbuf[0][0], krows);
+            rows_f32(values, token_bytes, kv_dtype, n, head_dim, width, direct, &vbuf[0][0],
+                     vrows);
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kh * group + g;
+                /* scores */
+                float top = run_max[h];
+                for (int64_t t = 0; t < n; t++) {
+                    vf dot = loadv(&q[h][0]) * loadv(krows[t]);
+                    for (int64_t c = VL; c < width; c += VL)
+                        dot += loadv(&q[h][c]) * loadv(krows[t] + c);
+                    p[g][t] = hsum(dot);
+                    top = p[g][t] > top ? p[g][t] : top;
+                }
+                /* online softmax: rescale what came before only when the max moved */
+                float sum = run_sum[h];
+                if (top != run_max[h]) {
+                    const float alpha = exp_neg(run_max[h] - top); /* 0 on the first block */
+                    sum *= alpha;
+                    for (int64_t c = 0; c < width; c += VL)
+                        storev(&acc[h][c], loadv(&acc[h][c]) * alpha);
+                    run_max[h] = top;
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    p[g][t] = exp_neg(p[g][t] - top);
+                    sum += p[g][t];
+                }
+                run_sum[h] = sum;
+                /* acc += p . V with the head's vectors in registers: one independent
+                 * accumulator per vector of the head */
+                vf a[width / VL];
+                for (int64_t c = 0; c < width; c += VL) a[c / VL] = loadv(&acc[h][c]);
+                for (int64_t t = 0; t < n; t++)
+                    for (int64_t c = 0; c < width; c += VL)
+                        a[c / VL] += p[g][t] * loadv(vrows[t] + c);
+                for (int64_t c = 0; c < width; c += VL) storev(&acc[h][c], a[c / VL]);
             }
         }
     }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) out[h * head_dim + d] = acc[h][d] * inv;
+        lse[h] = run_sum[h] > 0.0f ? run_max[h] + logf(run_sum[h]) : -INFINITY;
+    }
 }
+
+#define DECODE_SEQ(WIDTH) \
+    decode_seq(query + b * num_heads * head_dim, key_cache, value_cache, kv_dtype, \
+               tables + b * table_stride, seq_lens[b], num_heads, num_kv_heads, head_dim, \
+               WIDTH, block_size, scale, out + b * num_heads * head_dim, lse + b * num_heads)
 
 void paged_decode(const float *query,      /* [B, H, D] float32 */
                   const char *key_cache,   /* [N, bs, Hkv, D] of kv_dtype */
@@ -75,71 +207,11 @@ void paged_decode(const float *query,      /* [B, H, D] float32 */
                   float *out,              /* [B, H, D] float32 */
                   float *lse,              /* [B, H] float32 */
                   int num_threads) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t elem = kv_dtype == KV_FLOAT32 ? 4 : 2;
-    const int64_t row_bytes = head_dim * elem;
-    const int64_t token_bytes = num_kv_heads * row_bytes;
-    const int64_t block_bytes = block_size * token_bytes;
-
-    /* One task per sequence: it walks its blocks in order and reads each block whole (all
-     * KV heads), which keeps the reads contiguous for the prefetcher. */
+    const int64_t width = (head_dim + VL - 1) / VL * VL;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < num_seqs; b++) {
-        const int64_t seq_len = seq_lens[b];
-        float q[num_heads][head_dim], acc[num_heads][head_dim], buf[TILE][head_dim];
-        float score[num_heads][block_size], run_max[num_heads], run_sum[num_heads];
-        for (int64_t h = 0; h < num_heads; h++) {
-            for (int64_t d = 0; d < head_dim; d++) {
-                q[h][d] = query[(b * num_heads + h) * head_dim + d] * scale;
-                acc[h][d] = 0.0f;
-            }
-            run_max[h] = -INFINITY;
-            run_sum[h] = 0.0f;
-        }
-        const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-        for (int64_t blk = 0; blk < num_blocks; blk++) {
-            const int64_t left = seq_len - blk * block_size;
-            const int64_t n = left < block_size ? left : block_size;
-            const int64_t block = (int64_t)tables[b * table_stride + blk] * block_bytes;
-            for (int64_t kh = 0; kh < num_kv_heads; kh++) {
-                const int64_t h0 = kh * group;
-                const char *keys = key_cache + block + kh * row_bytes;
-                const char *values = value_cache + block + kh * row_bytes;
-                for (int64_t t0 = 0; t0 < n; t0 += TILE) {
-                    const int64_t m = n - t0 < TILE ? n - t0 : TILE;
-                    const float *k[TILE];
-                    for (int64_t i = 0; i < m; i++)
-                        k[i] = load_row(keys + (t0 + i) * token_bytes, kv_dtype, head_dim, buf[i]);
-                    tile_scores(group, head_dim, block_size, &q[h0], k, m, t0, &score[h0]);
-                }
-                for (int64_t h = h0; h < h0 + group; h++) {
-                    float top = run_max[h];
-                    for (int64_t t = 0; t < n; t++) top = score[h][t] > top ? score[h][t] : top;
-                    const float alpha = expf(run_max[h] - top); /* 0 on the first block */
-                    float sum = run_sum[h] * alpha;
-                    for (int64_t t = 0; t < n; t++) {
-                        score[h][t] = expf(score[h][t] - top);
-                        sum += score[h][t];
-                    }
-                    for (int64_t d = 0; d < head_dim; d++) acc[h][d] *= alpha;
-                    run_max[h] = top;
-                    run_sum[h] = sum;
-                }
-                for (int64_t t = 0; t < n; t++) {
-                    const float *v = load_row(values + t * token_bytes, kv_dtype, head_dim, buf[0]);
-                    for (int64_t h = h0; h < h0 + group; h++) {
-                        const float p = score[h][t];
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; d++) acc[h][d] += p * v[d];
-                    }
-                }
-            }
-        }
-        for (int64_t h = 0; h < num_heads; h++) {
-            const int64_t row = b * num_heads + h;
-            const float inv = run_sum[h] > 0.0f ? 1.0f / run_sum[h] : 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) out[row * head_dim + d] = acc[h][d] * inv;
-            lse[row] = run_sum[h] > 0.0f ? run_max[h] + logf(run_sum[h]) : -INFINITY;
-        }
+        if (width == 64) DECODE_SEQ(64);
+        else if (width == 128) DECODE_SEQ(128);
+        else DECODE_SEQ(width);
     }
 }
