@@ -23,6 +23,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     num_decode_tokens: int
     prefill_query_start_loc: torch.Tensor  # [B - num_decode + 1] int32, rebased to 0
+    # Decode rows sharing their first blocks, and how many (for cascade-capable ops only).
+    decode_prefix: tuple[torch.Tensor, int] | None = None
 
 
 class PagedAttention(torch.nn.Module):
@@ -47,9 +49,11 @@ class PagedAttention(torch.nn.Module):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
+        cascade = {"prefix": meta.decode_prefix} if meta.decode_prefix is not None else {}
         if nd == q.shape[0]:
             return self.ops.decode(
-                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
+                **cascade,
             )
         prefill = self.ops.prefill(
             q[nd:],
@@ -63,6 +67,7 @@ class PagedAttention(torch.nn.Module):
         if nd == 0:
             return prefill
         decode = self.ops.decode(
-            q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
+            q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+            self.scale, **cascade,
         )
         return torch.cat([decode, prefill])

@@ -12,6 +12,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampled, Sampler, SampleRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from kernels.cpu import shared_prefix
 
 
 class ModelRunner:
@@ -34,6 +35,8 @@ class ModelRunner:
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.sampler = Sampler(seed)
+        # Cascade-capable attention ops get the step's shared prefix, found once per step.
+        self.cascade = model.layers[0].self_attn.attn.ops.cascade
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -128,6 +131,10 @@ class ModelRunner:
 
         nd = out.num_decodes
         dev = self.device
+        decode_prefix = None
+        if self.cascade:
+            rows, shared = shared_prefix(tables[:nd], starts[:nd] + 1, bs)
+            decode_prefix = torch.from_numpy(rows).to(dev), shared
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
@@ -137,5 +144,6 @@ class ModelRunner:
             prefill_query_start_loc=torch.from_numpy((qsl[nd:] - qsl[nd]).astype(np.int32)).to(
                 dev
             ),
+            decode_prefix=decode_prefix,
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta

@@ -23,12 +23,17 @@ BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
 
 @dataclass(frozen=True)
 class AttentionOps:
-    """The three ops a paged-attention layer calls, with the signatures of ``reference``."""
+    """The three ops a paged-attention layer calls, with the signatures of ``reference``.
+
+    ``cascade``: ``decode`` also takes ``prefix=(rows, num_blocks)``, the decode rows that
+    share their first blocks (``kernels.cpu.shared_prefix``), and reads those blocks once.
+    """
 
     name: str
     reshape_and_cache: Callable[..., None]
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]
+    cascade: bool = False
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -58,6 +63,7 @@ def get_ops(backend: str) -> AttentionOps:
             reshape_and_cache=cpu.reshape_and_cache,
             decode=cpu.paged_attention_decode,
             prefill=cpu.paged_attention_prefill,
+            cascade=True,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).

@@ -12,32 +12,40 @@ Checked against ``kernels.reference`` in the tests.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.native import paged_decode
+from kernels.native import PrefixSeed, paged_decode
 from kernels.reference import gather_kv, reshape_and_cache
 
-__all__ = ["paged_attention_decode", "paged_attention_prefill", "reshape_and_cache"]
+__all__ = [
+    "paged_attention_decode", "paged_attention_prefill", "reshape_and_cache", "shared_prefix",
+]
 
 
-# Cascade only when the shared prefix is long enough to pay for the extra pass and merge.
+# Cascade only when the shared prefix is long enough to pay for the extra pass.
 CASCADE_MIN_TOKENS = 64
 
 
-def _shared_prefix(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, int]:
-    """Rows sharing the most common first block, and how many leading blocks they share."""
+def shared_prefix(
+    block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, int]:
+    """Rows sharing the most common first block, and how many leading blocks they share.
+
+    Prefix caching gives sequences with one system prompt the same leading blocks. Each row
+    keeps at least its newest token out of the shared part.
+    """
+    if len(block_tables) < 2:
+        return np.zeros(0, dtype=np.int64), 0
     first = block_tables[:, 0]
-    rows = (first == first.mode().values).nonzero().squeeze(1)
-    if rows.numel() < 2:
+    values, counts = np.unique(first, return_counts=True)
+    rows = np.flatnonzero(first == values[counts.argmax()])
+    if len(rows) < 2:
         return rows, 0
     tables = block_tables[rows]
-    same = (tables == tables[0]).all(dim=0).long().cumprod(dim=0)
-    # Each row keeps at least its newest token in its own part.
-    shared = min(int(same.sum()), (int(seq_lens[rows].min()) - 1) // block_size)
-    return rows, shared
+    same = np.logical_and.accumulate((tables == tables[0]).all(axis=0))
+    return rows, min(int(same.sum()), (int(seq_lens[rows].min()) - 1) // block_size)
 
 
 def _prefix_attention(
@@ -72,43 +80,30 @@ def paged_attention_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    prefix: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged context (see the reference).
 
     Cascade attention for shared prefixes: when many sequences' block tables start with the
     same blocks (one system prompt, prefix-cached), those blocks are read once for all of
-    them in one GEMM, each sequence's own blocks go through the fused kernel, and the two
-    softmaxes are merged by their log-sum-exps. Decode is bound by K/V reads, so this saves
-    the shared prefix's share of them.
+    them in one GEMM, and the kernel starts each of those sequences from that result and
+    reads only its own blocks. Decode is bound by K/V reads, so this saves the shared
+    prefix's share of them. ``prefix`` is ``shared_prefix``'s answer (rows as a tensor) when
+    the caller has it (the engine finds it once per step); it is found here otherwise.
     """
-    num_seqs = query.shape[0]
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return torch.empty_like(query)
     block_size = key_cache.shape[1]
-    rows, shared = _shared_prefix(block_tables, seq_lens, block_size)
-    if shared * block_size < CASCADE_MIN_TOKENS:
-        out, _ = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
-        return out.to(query.dtype)
-
-    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
-    others = torch.ones(num_seqs, dtype=torch.bool, device=query.device)
-    others[rows] = False
-    if bool(others.any()):
-        out[others], _ = paged_decode(
-            query[others], key_cache, value_cache, block_tables[others], seq_lens[others], scale
-        )
-    q = query[rows]
-    pre_out, pre_lse = _prefix_attention(
-        q, key_cache, value_cache, block_tables[rows[0], :shared].long(), scale
-    )
-    own_out, own_lse = paged_decode(
-        q, key_cache, value_cache, block_tables[rows, shared:],
-        seq_lens[rows] - shared * block_size, scale,
-    )
-    top = torch.maximum(pre_lse, own_lse)
-    w_pre = torch.exp(pre_lse - top)[..., None]
-    w_own = torch.exp(own_lse - top)[..., None]
-    out[rows] = (pre_out * w_pre + own_out * w_own) / (w_pre + w_own)
+    if prefix is None:
+        rows, shared = shared_prefix(block_tables.numpy(), seq_lens.numpy(), block_size)
+        prefix = torch.from_numpy(rows), shared
+    rows, shared = prefix
+    seed = None
+    if shared * block_size >= CASCADE_MIN_TOKENS:
+        blocks = block_tables[rows[0], :shared].long()
+        out, lse = _prefix_attention(query[rows], key_cache, value_cache, blocks, scale)
+        seed = PrefixSeed(rows, shared, out, lse)
+    out, _ = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, seed)
     return out.to(query.dtype)
 
 

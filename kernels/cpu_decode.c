@@ -8,8 +8,12 @@
  * AVX2 or NEON registers: a block's K and V rows of one KV head are widened to float32 once
  * (bf16 by a shift, fp16 by conversion; float32 rows are read in place), every query of the
  * group is dotted with every key of the block, and the softmax runs online one block at a
- * time with a vectorisable exp. Besides the output it returns the log-sum-exp of the scores,
- * by which cascade attention merges partial results.
+ * time with a vectorisable exp. Besides the output it returns the log-sum-exp of the scores.
+ *
+ * Cascade attention: a sequence whose first blocks are a prefix shared with others can start
+ * from that prefix's attention, computed once for all of them elsewhere (its output and
+ * log-sum-exp): the online softmax is seeded with it and the kernel reads only the
+ * sequence's own blocks. That is the exact merge of the two softmaxes.
  */
 #include <math.h>
 #include <stdint.h>
@@ -107,7 +111,8 @@ INLINE void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 INLINE void decode_seq(const float *query, const char *key_cache, const char *value_cache,
                        int kv_dtype, const int32_t *table, int64_t seq_len, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, const int64_t width,
-                       int64_t block_size, float scale, float *out, float *lse) {
+                       int64_t block_size, float scale, int64_t first_block,
+                       const float *seed_out, const float *seed_lse, float *out, float *lse) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t elem = kv_dtype == KV_FLOAT32 ? 4 : 2;
     const int64_t row_bytes = head_dim * elem;
@@ -122,13 +127,14 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
     for (int64_t h = 0; h < num_heads; h++) {
         for (int64_t d = 0; d < width; d++) {
             q[h][d] = d < head_dim ? query[h * head_dim + d] * scale : 0.0f;
-            acc[h][d] = 0.0f;
+            /* seeded: as if the prefix's keys had been read, with total weight exp(lse) */
+            acc[h][d] = seed_out && d < head_dim ? seed_out[h * head_dim + d] : 0.0f;
         }
-        run_max[h] = -INFINITY;
-        run_sum[h] = 0.0f;
+        run_max[h] = seed_out ? seed_lse[h] : -INFINITY;
+        run_sum[h] = seed_out ? 1.0f : 0.0f;
     }
     const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t blk = 0; blk < num_blocks; blk++) {
+    for (int64_t blk = first_block; blk < num_blocks; blk++) {
         const int64_t left = seq_len - blk * block_size;
         const int64_t n = left < block_size ? left : block_size;
         const int64_t block = (int64_t)table[blk] * block_bytes;
@@ -193,7 +199,10 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
 #define DECODE_SEQ(WIDTH) \
     decode_seq(query + b * num_heads * head_dim, key_cache, value_cache, kv_dtype, \
                tables + b * table_stride, seq_lens[b], num_heads, num_kv_heads, head_dim, \
-               WIDTH, block_size, scale, out + b * num_heads * head_dim, lse + b * num_heads)
+               WIDTH, block_size, scale, seeded ? prefix_blocks : 0, \
+               seeded ? prefix_out + seed * num_heads * head_dim : NULL, \
+               seeded ? prefix_lse + seed * num_heads : NULL, \
+               out + b * num_heads * head_dim, lse + b * num_heads)
 
 void paged_decode(const float *query,      /* [B, H, D] float32 */
                   const char *key_cache,   /* [N, bs, Hkv, D] of kv_dtype */
@@ -206,10 +215,16 @@ void paged_decode(const float *query,      /* [B, H, D] float32 */
                   int64_t block_size, float scale,
                   float *out,              /* [B, H, D] float32 */
                   float *lse,              /* [B, H] float32 */
+                  const int32_t *prefix_row, /* [B] or NULL: row of prefix_out seeding b, or -1 */
+                  int64_t prefix_blocks,   /* leading blocks the seeded sequences skip */
+                  const float *prefix_out, /* [R, H, D] float32 */
+                  const float *prefix_lse, /* [R, H] float32 */
                   int num_threads) {
     const int64_t width = (head_dim + VL - 1) / VL * VL;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t seed = prefix_row ? prefix_row[b] : -1;
+        const int seeded = seed >= 0;
         if (width == 64) DECODE_SEQ(64);
         else if (width == 128) DECODE_SEQ(128);
         else DECODE_SEQ(width);

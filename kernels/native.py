@@ -1,12 +1,16 @@
 """Native CPU kernels: C sources next to this file, compiled once per CPU and loaded by ctypes.
 
-Inductor needs the same C compiler on the CPU path, so this adds no requirement. The shared
-library is built with ``-O3 -march=native -fopenmp`` into ``$KVBATCH_CACHE_DIR/kernels/``
-(default ``~/.cache/kvbatch``), named by a hash of the source, the flags, the compiler and the
-CPU's feature flags, so that a cache shared between different machines never loads code built
-for another instruction set. OpenMP resolves to the ``libgomp.so.1`` that torch has already
-loaded, so the kernels and torch share one thread pool runtime. ctypes releases the GIL for
-the duration of a call.
+Inductor needs the same C compiler on the CPU path, so this adds no requirement. Each source is
+built with ``-O3 -march=native -fopenmp`` (plus its own flags) into
+``$KVBATCH_CACHE_DIR/kernels/`` (default ``~/.cache/kvbatch``), named by a hash of the source,
+the flags, the compiler and the CPU's feature flags, so that a cache shared between different
+machines never loads code built for another instruction set. OpenMP resolves to the
+``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
+runtime. ctypes releases the GIL for the duration of a call.
+
+- ``cpu_decode.c``: paged decode attention (``paged_decode``).
+- ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``rotary_``,
+  ``silu_mul``), rounding where transformers' eager ops round; built without FMA contraction.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -25,12 +30,23 @@ import torch
 
 from engine.models.loader import cache_dir
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
+# source stem -> (extra compiler flags, {function: argtypes})
+LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
+    "cpu_decode": ((), {
+        "paged_decode": [_ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                         _i64, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32],
+    }),
+    "cpu_layer": (("-ffp-contract=off",), {
+        "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
+        "rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+        "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
+    }),
+}
 
 
 def _cpu_flags() -> str:
@@ -45,37 +61,106 @@ def _cpu_flags() -> str:
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("the CPU attention kernels need a C compiler (cc/gcc, or set CC)")
+        raise RuntimeError("the CPU kernels need a C compiler (cc/gcc, or set CC)")
     return cc
 
 
 @cache
-def library() -> ctypes.CDLL:
-    """The compiled kernels, built on first use."""
+def library(name: str = "cpu_decode") -> ctypes.CDLL:
+    """The compiled kernels of ``kernels/<name>.c``, built on first use."""
+    extra, functions = LIBRARIES[name]
+    source = Path(__file__).with_name(f"{name}.c")
+    flags = (*CFLAGS, *extra)
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *CFLAGS, version, _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *flags, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"{SOURCE.stem}-{key}.so"
+    target = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             proc = subprocess.run(
-                [cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                [cc, *flags, str(source), "-o", str(built), "-lm"],
                 capture_output=True, text=True,
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr}")
+                raise RuntimeError(f"building {source.name} failed:\n{proc.stderr}")
             built.replace(target)  # atomic: concurrent builders each publish a whole file
     lib = ctypes.CDLL(str(target))
-    lib.paged_decode.restype = None
-    lib.paged_decode.argtypes = [
-        _ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr,
-        _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _ptr, _i32,
-    ]
+    for function, argtypes in functions.items():
+        getattr(lib, function).restype = None
+        getattr(lib, function).argtypes = argtypes
     return lib
+
+
+def _dtype_code(t: torch.Tensor) -> int:
+    if t.dtype not in KV_DTYPES:
+        raise TypeError(f"no CPU kernel for {t.dtype} tensors")
+    return KV_DTYPES[t.dtype]
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight * rms_norm(x)`` over the last dim, as transformers' RMSNorm rounds it.
+
+    With ``residual``, ``residual`` first becomes ``x + residual`` (in place, rounded to the
+    dtype) and that sum is normalised: the residual add and the next norm in one pass.
+    """
+    if not (x.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("rms_norm needs contiguous tensors")
+    if residual is not None and not residual.is_contiguous():
+        raise ValueError("rms_norm needs a contiguous residual")
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    library("cpu_layer").rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.numel() // hidden, hidden, eps, _dtype_code(x),
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``x`` ([T, heads, D], rows may be strided) in place by ``cos``/``sin`` ([T, D]).
+
+    ``x * cos + rotate_half(x) * sin`` with every product and sum rounded to the dtype.
+    """
+    rows, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous()
+                                                              and sin.is_contiguous()):
+        raise ValueError("rotary_ needs contiguous heads and contiguous cos/sin tables")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        raise TypeError("rotary_ needs cos/sin in the dtype of x")
+    library("cpu_layer").rotary(
+        x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+        _dtype_code(x), torch.get_num_threads(),
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = cat([gate, up], -1)``, rounded as torch rounds."""
+    if not gate_up.is_contiguous():
+        raise ValueError("silu_mul needs a contiguous input")
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    library("cpu_layer").silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width,
+        _dtype_code(gate_up), torch.get_num_threads(),
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class PrefixSeed:
+    """Attention over a shared prefix, computed once, that decode rows start from."""
+
+    rows: torch.Tensor  # [R] int64: the decode rows that share the prefix
+    num_blocks: int  # the prefix's length in blocks; those rows skip them
+    out: torch.Tensor  # [R, H, D] float32: each row's attention over the prefix
+    lse: torch.Tensor  # [R, H] float32: and its log-sum-exp
 
 
 def paged_decode(
@@ -85,8 +170,13 @@ def paged_decode(
     block_tables: torch.Tensor,  # [B, >= max_blocks]
     seq_lens: torch.Tensor,  # [B], each >= 1
     scale: float,
+    prefix: PrefixSeed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [B, H, D], lse [B, H]
-    """Decode attention over the paged cache; float32 output and log-sum-exp per head."""
+    """Decode attention over the paged cache; float32 output and log-sum-exp per head.
+
+    With ``prefix``, its rows start from the prefix's attention and read only the blocks
+    after it (cascade attention, merged exactly by the online softmax).
+    """
     if key_cache.dtype not in KV_DTYPES:
         raise TypeError(f"no CPU decode kernel for a {key_cache.dtype} KV cache")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -98,11 +188,24 @@ def paged_decode(
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(num_seqs, num_heads, dtype=torch.float32)
+    seed_rows = seed_out = seed_lse = None
+    prefix_blocks = 0
+    if prefix is not None:
+        seed_rows = torch.full((num_seqs,), -1, dtype=torch.int32)
+        seed_rows[prefix.rows] = torch.arange(len(prefix.rows), dtype=torch.int32)
+        seed_out = prefix.out.to(torch.float32).contiguous()
+        seed_lse = prefix.lse.to(torch.float32).contiguous()
+        prefix_blocks = prefix.num_blocks
+
+    def ptr(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
     with torch.profiler.record_function("kvbatch::paged_decode"):  # named in profiles
         library().paged_decode(
             query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             KV_DTYPES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
             num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-            out.data_ptr(), lse.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), lse.data_ptr(), ptr(seed_rows), prefix_blocks, ptr(seed_out),
+            ptr(seed_lse), torch.get_num_threads(),
         )
     return out, lse

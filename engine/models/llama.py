@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, RoPE tables
-from transformers' own init functions) so that greedy outputs match it token for token.
+from transformers' own init functions) so that greedy outputs match it token for token. With
+the CPU attention backend, the elementwise work between the matmuls (residual add + RMSNorm,
+RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
+transformers' eager ops round; elsewhere it runs as those torch ops.
 """
 
 from __future__ import annotations
@@ -15,21 +18,35 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, PagedAttention
-from kernels import AttentionOps
+from kernels import AttentionOps, native
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """``weight * norm(x)``; given the residual stream, adds ``x`` to it first (vLLM style).
+
+    ``forward(x)`` returns the norm of ``x``; ``forward(x, residual)`` returns the norm of
+    ``x + residual`` and that sum, the new residual stream.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:  # the residual add is done in place, in the kernel
+            out = native.rms_norm(x, self.weight, self.eps, residual)
+            return out, x if residual is None else residual
+        if residual is not None:
+            x = x + residual
         # Normalised in float32, cast back, then scaled: transformers' order of operations.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.weight * normed.to(x.dtype), x
 
 
 class Rotary(nn.Module):
@@ -58,19 +75,25 @@ class Rotary(nn.Module):
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of the step's positions, ``[T, 1, D]`` each; shared by every layer."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos and sin of the step's positions, ``[T, D]`` each; shared by every layer."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x`` ([T, heads, D]) by the step's RoPE tables."""
+def apply_rotary(
+    x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused: bool
+) -> torch.Tensor:
+    """``x`` ([T, heads, D]) rotated by the step's RoPE tables; in place when ``fused``."""
     cos, sin = rope
+    if fused:
+        native.rotary_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps) -> None:
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps, fused: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -82,10 +105,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
+        self.fused = fused
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, D]
         x: torch.Tensor,  # [T, hidden]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D]
         meta: AttentionMetadata,
@@ -93,7 +117,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k rotated together: one set of elementwise ops for both.
-        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), rope)
+        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), rope, self.fused)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
@@ -101,34 +125,42 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, fused: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(native.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps) -> None:
+    def __init__(self, config: PretrainedConfig, ops: AttentionOps, fused: bool) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.self_attn = Attention(config, ops, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
+        self.mlp = MLP(config, fused)
 
     def forward(
         self,
         rope: tuple[torch.Tensor, torch.Tensor],
-        x: torch.Tensor,
+        x: torch.Tensor,  # the previous layer's MLP output (the embeddings for the first)
+        residual: torch.Tensor | None,  # the residual stream before x is added to it
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # this layer's MLP output, the residual stream
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(rope, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,10 +179,11 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = _head_dim(config)
         self.rotary = Rotary(config, self.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        fused = ops.name == "cpu"  # the fused C layer ops come with the CPU attention ops
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, ops, fused) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -164,9 +197,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(rope, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab] float32
         weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight

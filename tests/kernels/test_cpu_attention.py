@@ -74,12 +74,16 @@ def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, h
     tables = batch.block_tables.clone()
     for row in sharers:
         tables[row, :shared_blocks] = tables[0, :shared_blocks]
-    rows, shared = cpu._shared_prefix(tables, batch.seq_lens, block_size)
+    rows, shared = cpu.shared_prefix(tables.numpy(), batch.seq_lens.numpy(), block_size)
     assert rows.tolist() == list(sharers) and shared == shared_blocks
     assert shared * block_size >= cpu.CASCADE_MIN_TOKENS  # the cascade path really runs
     args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
             head_dim**-0.5)
-    assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+    expected = reference.paged_attention_decode(*args)
+    assert_matches(cpu.paged_attention_decode(*args), expected)
+    # As the engine calls it, with the prefix found once per step.
+    given = (torch.from_numpy(rows), shared)
+    assert_matches(cpu.paged_attention_decode(*args, prefix=given), expected)
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(333, 1)], [(16, 1), (17, 1)]],

@@ -1,0 +1,156 @@
+/* Fused elementwise ops of a decoder layer for the CPU: residual add + RMSNorm, rotary
+ * embedding in place, SiLU(gate) * up.
+ *
+ * Built and loaded by kernels/native.py like cpu_decode.c, but with -ffp-contract=off: each
+ * op rounds exactly where Hugging Face transformers' eager ops round (every product and sum
+ * to the model dtype, RMSNorm in float32), so that greedy outputs stay token-identical to
+ * it. What fusing saves is the passes over memory and the per-op dispatch: in bfloat16 each
+ * torch op widens its inputs to float32 and rounds its output back, and a decoder layer runs
+ * about fifteen of them outside the matmuls.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+enum { LANES = 16 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float load(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return ((const float *)p)[i];
+    if (dtype == BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return (float)((const _Float16 *)p)[i];
+}
+
+/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch rounds. */
+INLINE uint16_t bf16_bits(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+INLINE void store(void *p, int64_t i, int dtype, float v) {
+    if (dtype == F32) ((float *)p)[i] = v;
+    else if (dtype == BF16) ((uint16_t *)p)[i] = bf16_bits(v);
+    else ((_Float16 *)p)[i] = (_Float16)v;
+}
+
+/* v rounded to the dtype, as float32: what a torch op in that dtype would have produced. */
+INLINE float round_to(float v, int dtype) {
+    if (dtype == F32) return v;
+    if (dtype == BF16) {
+        const uint32_t bits = (uint32_t)bf16_bits(v) << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return (float)(_Float16)v;
+}
+
+/* Rows are spread over threads only when there is enough work to pay for waking them. */
+#define PARALLEL_ROWS(rows, width) if ((rows) * (width) >= 32768) num_threads(num_threads)
+
+INLINE void rms_norm_rows(void *x, void *residual, const void *weight, void *out, int64_t rows,
+                          int64_t hidden, float eps, int dtype, int num_threads) {
+#pragma omp parallel for PARALLEL_ROWS(rows, hidden)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * hidden;
+        if (residual) {
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = load(x, base + i, dtype) + load(residual, base + i, dtype);
+                store(residual, base + i, dtype, v);
+            }
+        }
+        const void *src = residual ? residual : x;
+        /* sum of squares in LANES independent partial sums, so that it vectorises */
+        float part[LANES] = {0.0f};
+        int64_t i = 0;
+        for (; i + LANES <= hidden; i += LANES)
+            for (int64_t j = 0; j < LANES; j++) {
+                const float v = load(src, base + i + j, dtype);
+                part[j] += v * v;
+            }
+        float sum = 0.0f;
+        for (; i < hidden; i++) sum += load(src, base + i, dtype) * load(src, base + i, dtype);
+        for (int64_t j = 0; j < LANES; j++) sum += part[j];
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) {
+            const float normed = round_to(load(src, base + i, dtype) * inv, dtype);
+            store(out, base + i, dtype, load(weight, i, dtype) * normed);
+        }
+    }
+}
+
+/* out = weight * norm(x) per row; with `residual`, first residual = x + residual and out is
+ * the norm of that sum (vLLM's fused_add_rms_norm). */
+void rms_norm(void *x, void *residual, const void *weight, void *out, int64_t rows,
+              int64_t hidden, float eps, int dtype, int num_threads) {
+    switch (dtype) {
+    case F32: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, F32, num_threads); break;
+    case BF16: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, BF16, num_threads); break;
+    default: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, F16, num_threads);
+    }
+}
+
+INLINE void rotary_rows(void *x, int64_t row_stride, const void *cos, const void *sin,
+                        int64_t rows, int64_t heads, int64_t head_dim, int dtype,
+                        int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for PARALLEL_ROWS(rows, heads * head_dim)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r * head_dim; /* this row's cos/sin */
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = r * row_stride + h * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = load(x, base + i, dtype), x2 = load(x, base + half + i, dtype);
+                const float c1 = load(cos, t + i, dtype), c2 = load(cos, t + half + i, dtype);
+                const float s1 = load(sin, t + i, dtype), s2 = load(sin, t + half + i, dtype);
+                /* x * cos + cat(-x2, x1) * sin, each product and the sum rounded */
+                const float y1 = round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype);
+                const float y2 = round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype);
+                store(x, base + i, dtype, y1);
+                store(x, base + half + i, dtype, y2);
+            }
+        }
+    }
+}
+
+/* Rotate the first `heads` heads of each row of x in place (NeoX layout: halves rotate). */
+void rotary(void *x, int64_t row_stride, const void *cos, const void *sin, int64_t rows,
+            int64_t heads, int64_t head_dim, int dtype, int num_threads) {
+    switch (dtype) {
+    case F32: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, F32, num_threads); break;
+    case BF16: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, BF16, num_threads); break;
+    default: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, F16, num_threads);
+    }
+}
+
+INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t width,
+                          int dtype, int num_threads) {
+#pragma omp parallel for PARALLEL_ROWS(rows, width)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * width, o = r * width;
+        for (int64_t i = 0; i < width; i++) {
+            const float g = load(gate_up, in + i, dtype), u = load(gate_up, in + width + i, dtype);
+            const float act = round_to(g / (1.0f + expf(-g)), dtype);
+            store(out, o + i, dtype, act * u);
+        }
+    }
+}
+
+/* out = silu(gate) * up, gate and up the two halves of each row of gate_up. */
+void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype,
+              int num_threads) {
+    switch (dtype) {
+    case F32: silu_mul_rows(gate_up, out, rows, width, F32, num_threads); break;
+    case BF16: silu_mul_rows(gate_up, out, rows, width, BF16, num_threads); break;
+    default: silu_mul_rows(gate_up, out, rows, width, F16, num_threads);
+    }
+}

@@ -1,0 +1,86 @@
+"""The fused CPU layer ops (kernels/cpu_layer.c) against transformers' eager formulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Sums of squares and exp may differ from torch's in the last bits of float32; after that
+# everything rounds as torch rounds, so the results agree to about one unit in the last place.
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 1e-3)}
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    return weight * (h * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    rtol, atol = TOL[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 8), (3, 576), (37, 100), (300, 960)])
+def test_rms_norm_matches_transformers(dtype, shape) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    _close(native.rms_norm(x, weight, 1e-5), _hf_rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 8), (5, 576), (300, 960)])
+def test_rms_norm_with_residual_adds_in_place_first(dtype, shape) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    total = x + residual  # rounded to the dtype, as transformers' residual add
+    out = native.rms_norm(x, weight, 1e-6, residual=residual)
+    assert torch.equal(residual, total)
+    _close(out, _hf_rms_norm(total, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "heads", "head_dim"), [(1, 1, 2), (7, 12, 64), (300, 5, 80)])
+def test_rotary_is_bit_identical_to_transformers(dtype, rows, heads, head_dim) -> None:
+    gen = torch.Generator().manual_seed(2)
+    # A strided view, as the model rotates q and k inside the fused qkv projection's output.
+    qkv = torch.randn(rows, heads + 3, head_dim, generator=gen).to(dtype)
+    x = qkv[:, :heads]
+    angles = torch.rand(rows, head_dim // 2, generator=gen) * 100
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    half = head_dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    expected = x * cos[:, None] + rotated * sin[:, None]
+    untouched = qkv[:, heads:].clone()
+    native.rotary_(x, cos, sin)
+    assert torch.equal(qkv[:, :heads], expected)
+    assert torch.equal(qkv[:, heads:], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 2), (9, 1536), (200, 130)])
+def test_silu_mul_matches_transformers(dtype, shape) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(shape[0], 2 * shape[1], generator=gen) * 4).to(dtype)
+    gate, up = gate_up.split(shape[1], dim=-1)
+    _close(native.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_layer_ops_refuse_what_they_cannot_do() -> None:
+    with pytest.raises(TypeError, match=r"no CPU kernel for torch\.float64"):
+        native.silu_mul(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.rms_norm(torch.zeros(4, 8).t(), torch.ones(4), 1e-6)
+    with pytest.raises(TypeError, match="cos/sin in the dtype"):
+        native.rotary_(torch.zeros(2, 1, 4), torch.zeros(2, 4, dtype=torch.bfloat16),
+                       torch.zeros(2, 4, dtype=torch.bfloat16))
