@@ -28,12 +28,14 @@ INLINE float load(const void *p, int64_t i, int dtype) {
     return (float)((const _Float16 *)p)[i];
 }
 
-/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch rounds. */
+/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch rounds; branch-free
+ * so that the loops calling it vectorise. */
 INLINE uint16_t bf16_bits(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 INLINE void store(void *p, int64_t i, int dtype, float v) {
@@ -54,70 +56,88 @@ INLINE float round_to(float v, int dtype) {
     return (float)(_Float16)v;
 }
 
-/* Rows are spread over threads only when there is enough work to pay for waking them. */
-#define PARALLEL_ROWS(rows, width) if ((rows) * (width) >= 32768) num_threads(num_threads)
+/* exp(x), vectorisable (Cephes' polynomial, about 1 ulp); x is clamped to [-87, 88]. */
+INLINE float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round */
+    float r = x - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+}
 
-INLINE void rms_norm_rows(void *x, void *residual, const void *weight, void *out, int64_t rows,
-                          int64_t hidden, float eps, int dtype, int num_threads) {
-#pragma omp parallel for PARALLEL_ROWS(rows, hidden)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t base = r * hidden;
-        if (residual) {
-            for (int64_t i = 0; i < hidden; i++) {
-                const float v = load(x, base + i, dtype) + load(residual, base + i, dtype);
-                store(residual, base + i, dtype, v);
-            }
+/* Rows are spread over threads only when there is enough work to pay for waking them. The
+ * dtype is switched on inside the loop, per row, so that each case inlines the row's code
+ * with a constant dtype and its inner loops vectorise (OpenMP outlines the loop body before
+ * constants propagate into it). */
+#define PARALLEL_ROWS(rows, width) if ((rows) * (width) >= 32768) num_threads(num_threads)
+#define BY_DTYPE(dtype, call)                                                                \
+    switch (dtype) {                                                                         \
+    case F32: call(F32); break;                                                              \
+    case BF16: call(BF16); break;                                                            \
+    default: call(F16);                                                                      \
+    }
+
+INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void *out,
+                         int64_t base, int64_t hidden, float eps, int dtype) {
+    if (residual) {
+        for (int64_t i = 0; i < hidden; i++)
+            store(residual, base + i, dtype,
+                  load(x, base + i, dtype) + load(residual, base + i, dtype));
+    }
+    const void *src = residual ? residual : x;
+    /* sum of squares in LANES independent partial sums, so that it vectorises */
+    float part[LANES] = {0.0f};
+    int64_t i = 0;
+    for (; i + LANES <= hidden; i += LANES)
+        for (int64_t j = 0; j < LANES; j++) {
+            const float v = load(src, base + i + j, dtype);
+            part[j] += v * v;
         }
-        const void *src = residual ? residual : x;
-        /* sum of squares in LANES independent partial sums, so that it vectorises */
-        float part[LANES] = {0.0f};
-        int64_t i = 0;
-        for (; i + LANES <= hidden; i += LANES)
-            for (int64_t j = 0; j < LANES; j++) {
-                const float v = load(src, base + i + j, dtype);
-                part[j] += v * v;
-            }
-        float sum = 0.0f;
-        for (; i < hidden; i++) sum += load(src, base + i, dtype) * load(src, base + i, dtype);
-        for (int64_t j = 0; j < LANES; j++) sum += part[j];
-        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++) {
-            const float normed = round_to(load(src, base + i, dtype) * inv, dtype);
-            store(out, base + i, dtype, load(weight, i, dtype) * normed);
-        }
+    float sum = 0.0f;
+    for (; i < hidden; i++) sum += load(src, base + i, dtype) * load(src, base + i, dtype);
+    for (int64_t j = 0; j < LANES; j++) sum += part[j];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    for (int64_t k = 0; k < hidden; k++) {
+        const float normed = round_to(load(src, base + k, dtype) * inv, dtype);
+        store(out, base + k, dtype, load(weight, k, dtype) * normed);
     }
 }
 
 /* out = weight * norm(x) per row; with `residual`, first residual = x + residual and out is
  * the norm of that sum (vLLM's fused_add_rms_norm). */
-void rms_norm(void *x, void *residual, const void *weight, void *out, int64_t rows,
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows,
               int64_t hidden, float eps, int dtype, int num_threads) {
-    switch (dtype) {
-    case F32: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, F32, num_threads); break;
-    case BF16: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, BF16, num_threads); break;
-    default: rms_norm_rows(x, residual, weight, out, rows, hidden, eps, F16, num_threads);
+#pragma omp parallel for PARALLEL_ROWS(rows, hidden)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(DT) rms_norm_row(x, residual, weight, out, r * hidden, hidden, eps, DT)
+        BY_DTYPE(dtype, ROW)
+#undef ROW
     }
 }
 
-INLINE void rotary_rows(void *x, int64_t row_stride, const void *cos, const void *sin,
-                        int64_t rows, int64_t heads, int64_t head_dim, int dtype,
-                        int num_threads) {
+INLINE void rotary_row(void *x, int64_t base, const void *cos, const void *sin, int64_t t,
+                       int64_t heads, int64_t head_dim, int dtype) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for PARALLEL_ROWS(rows, heads * head_dim)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t t = r * head_dim; /* this row's cos/sin */
-        for (int64_t h = 0; h < heads; h++) {
-            const int64_t base = r * row_stride + h * head_dim;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = load(x, base + i, dtype), x2 = load(x, base + half + i, dtype);
-                const float c1 = load(cos, t + i, dtype), c2 = load(cos, t + half + i, dtype);
-                const float s1 = load(sin, t + i, dtype), s2 = load(sin, t + half + i, dtype);
-                /* x * cos + cat(-x2, x1) * sin, each product and the sum rounded */
-                const float y1 = round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype);
-                const float y2 = round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype);
-                store(x, base + i, dtype, y1);
-                store(x, base + half + i, dtype, y2);
-            }
+    for (int64_t h = 0; h < heads; h++, base += head_dim) {
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = load(x, base + i, dtype), x2 = load(x, base + half + i, dtype);
+            const float c1 = load(cos, t + i, dtype), c2 = load(cos, t + half + i, dtype);
+            const float s1 = load(sin, t + i, dtype), s2 = load(sin, t + half + i, dtype);
+            /* x * cos + cat(-x2, x1) * sin, each product and the sum rounded */
+            const float y1 = round_to(x1 * c1, dtype) + round_to(-x2 * s1, dtype);
+            const float y2 = round_to(x2 * c2, dtype) + round_to(x1 * s2, dtype);
+            store(x, base + i, dtype, y1);
+            store(x, base + half + i, dtype, y2);
         }
     }
 }
@@ -125,32 +145,30 @@ INLINE void rotary_rows(void *x, int64_t row_stride, const void *cos, const void
 /* Rotate the first `heads` heads of each row of x in place (NeoX layout: halves rotate). */
 void rotary(void *x, int64_t row_stride, const void *cos, const void *sin, int64_t rows,
             int64_t heads, int64_t head_dim, int dtype, int num_threads) {
-    switch (dtype) {
-    case F32: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, F32, num_threads); break;
-    case BF16: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, BF16, num_threads); break;
-    default: rotary_rows(x, row_stride, cos, sin, rows, heads, head_dim, F16, num_threads);
+#pragma omp parallel for PARALLEL_ROWS(rows, heads * head_dim)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(DT) rotary_row(x, r * row_stride, cos, sin, r * head_dim, heads, head_dim, DT)
+        BY_DTYPE(dtype, ROW)
+#undef ROW
     }
 }
 
-INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t width,
-                          int dtype, int num_threads) {
-#pragma omp parallel for PARALLEL_ROWS(rows, width)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t in = r * 2 * width, o = r * width;
-        for (int64_t i = 0; i < width; i++) {
-            const float g = load(gate_up, in + i, dtype), u = load(gate_up, in + width + i, dtype);
-            const float act = round_to(g / (1.0f + expf(-g)), dtype);
-            store(out, o + i, dtype, act * u);
-        }
+INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t width, int dtype) {
+    const int64_t in = r * 2 * width, o = r * width;
+    for (int64_t i = 0; i < width; i++) {
+        const float g = load(gate_up, in + i, dtype), u = load(gate_up, in + width + i, dtype);
+        const float act = round_to(g / (1.0f + exp_approx(-g)), dtype);
+        store(out, o + i, dtype, act * u);
     }
 }
 
 /* out = silu(gate) * up, gate and up the two halves of each row of gate_up. */
 void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int dtype,
               int num_threads) {
-    switch (dtype) {
-    case F32: silu_mul_rows(gate_up, out, rows, width, F32, num_threads); break;
-    case BF16: silu_mul_rows(gate_up, out, rows, width, BF16, num_threads); break;
-    default: silu_mul_rows(gate_up, out, rows, width, F16, num_threads);
+#pragma omp parallel for PARALLEL_ROWS(rows, width)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(DT) silu_mul_row(gate_up, out, r, width, DT)
+        BY_DTYPE(dtype, ROW)
+#undef ROW
     }
 }

@@ -28,8 +28,6 @@ from pathlib import Path
 
 import torch
 
-from engine.models.loader import cache_dir
-
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -68,6 +66,8 @@ def _compiler() -> str:
 @cache
 def library(name: str = "cpu_decode") -> ctypes.CDLL:
     """The compiled kernels of ``kernels/<name>.c``, built on first use."""
+    from engine.models.loader import cache_dir  # here: the engine imports these kernels
+
     extra, functions = LIBRARIES[name]
     source = Path(__file__).with_name(f"{name}.c")
     flags = (*CFLAGS, *extra)
