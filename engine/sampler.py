@@ -31,7 +31,12 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-        """Sample one token per row of ``logits`` ([N, vocab] float32, modified in place)."""
+        """Sample one token per row of ``logits`` ([N, vocab], the model's dtype)."""
+        if all(_plain_greedy(row) for row in rows):
+            # Nothing to change in the logits: argmax in their own dtype (widening a bf16
+            # value to float32 is exact, so the answer is the same), without a float copy.
+            return [Sampled(token, None) for token in logits.argmax(dim=-1).tolist()]
+        logits = logits.float()  # a copy, modified in place below
         raw_logprobs = self._raw_logprobs(logits, rows)
         for i, row in enumerate(rows):
             if row.params.has_penalties:
@@ -84,6 +89,13 @@ class Sampler:
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    """Greedy with nothing that edits the logits or reads their distribution."""
+    p = row.params
+    under_min_tokens = row.blocked_token_ids and len(row.output_token_ids) < p.min_tokens
+    return p.greedy and not p.has_penalties and p.logprobs is None and not under_min_tokens
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:  # logits: [vocab]

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import native, reference
 from kernels.native import PrefixSeed, paged_decode
-from kernels.reference import gather_kv, reshape_and_cache
+from kernels.reference import gather_kv
 
 __all__ = [
     "paged_attention_decode", "paged_attention_prefill", "reshape_and_cache", "shared_prefix",
@@ -46,6 +47,21 @@ def shared_prefix(
     tables = block_tables[rows]
     same = np.logical_and.accumulate((tables == tables[0]).all(axis=0))
     return rows, min(int(same.sum()), (int(seq_lens[rows].min()) - 1) // block_size)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write the step's K/V into the pool (see the reference): row copies in C when the
+    rows already have the cache's dtype (the engine's case), else the reference."""
+    if key.dtype == key_cache.dtype and value.dtype == value_cache.dtype:
+        native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def _prefix_attention(

@@ -230,3 +230,15 @@ void paged_decode(const float *query,      /* [B, H, D] float32 */
         else DECODE_SEQ(width);
     }
 }
+
+/* Write each token's K and V rows (all KV heads, `row_bytes` each, rows `stride` bytes apart
+ * in key/value) into its slot of the pool; slots < 0 are padding and skipped. */
+void reshape_and_cache(const char *key, const char *value, int64_t key_stride,
+                       int64_t value_stride, char *key_cache, char *value_cache,
+                       const int64_t *slots, int64_t num_tokens, int64_t row_bytes) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(key_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
+        memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+    }
+}

@@ -8,7 +8,8 @@ machines never loads code built for another instruction set. OpenMP resolves to 
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
 runtime. ctypes releases the GIL for the duration of a call.
 
-- ``cpu_decode.c``: paged decode attention (``paged_decode``).
+- ``cpu_decode.c``: paged decode attention (``paged_decode``) and the cache write
+  (``reshape_and_cache``).
 - ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``rotary_``,
   ``silu_mul``), rounding where transformers' eager ops round; built without FMA contraction.
 """
@@ -38,6 +39,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_decode": ((), {
         "paged_decode": [_ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                          _i64, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32],
+        "reshape_and_cache": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64],
     }),
     "cpu_layer": (("-ffp-contract=off",), {
         "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
@@ -209,3 +211,25 @@ def paged_decode(
             ptr(seed_lse), torch.get_num_threads(),
         )
     return out, lse
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, H_kv, D], rows may be strided (views into the qkv projection)
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [N, block_size, H_kv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, < 0 = padding (skipped)
+) -> None:
+    """Write each token's K and V into its slot of the block pool (see the reference)."""
+    row = key.shape[1] * key.shape[2]
+    for t, pool in ((key, key_cache), (value, value_cache)):
+        if t.dtype != pool.dtype or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError("reshape_and_cache needs rows of the cache's dtype, heads packed")
+        if not pool.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    library().reshape_and_cache(
+        key.data_ptr(), value.data_ptr(), key.stride(0) * key.element_size(),
+        value.stride(0) * value.element_size(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slots.data_ptr(), slots.numel(), row * key.element_size(),
+    )

@@ -51,3 +51,28 @@ def test_no_tokens_is_a_no_op(paged_batch):
     empty = batch.key[:0]
     reshape_and_cache(empty, empty, key_cache, batch.value_cache, batch.slot_mapping[:0])
     assert torch.equal(key_cache, batch.key_cache)
+
+
+@pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size", "dtype"), CASES)
+def test_cpu_row_copies_match_reference(paged_batch, num_kv_heads, head_dim, block_size, dtype):
+    """The CPU op copies rows in C when K/V already have the cache dtype (the engine's case:
+    strided views into the qkv projection), and falls back to the reference otherwise."""
+    from kernels import cpu
+
+    batch = paged_batch([(17, 17), (40, 9), (16, 1)], num_heads=num_kv_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                        dtype=dtype)
+    tokens = batch.key.shape[0]
+    qkv = torch.randn(tokens, 3 * num_kv_heads * head_dim).to(dtype)
+    key = qkv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * num_kv_heads * head_dim :].view(tokens, num_kv_heads, head_dim)
+    slot_mapping = batch.slot_mapping.clone()
+    slot_mapping[[3, 20]] = -1
+    for k, v in ((key, value), (key.float(), value.float())):
+        caches = batch.key_cache.clone(), batch.value_cache.clone()
+        expected = batch.key_cache.clone(), batch.value_cache.clone()
+        cpu.reshape_and_cache(k, v, *caches, slot_mapping)
+        reference.reshape_and_cache(k, v, *expected, slot_mapping)
+        assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+        assert not torch.equal(caches[0], batch.key_cache)
