@@ -32,11 +32,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
         """Sample one token per row of ``logits`` ([N, vocab], the model's dtype)."""
-        if all(_plain_greedy(row) for row in rows):
-            # Nothing to change in the logits: argmax in their own dtype (widening a bf16
-            # value to float32 is exact, so the answer is the same), without a float copy.
+        logits = logits.float()  # a copy where it was not float32 (torch's bf16 argmax is slow)
+        if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: one argmax
             return [Sampled(token, None) for token in logits.argmax(dim=-1).tolist()]
-        logits = logits.float()  # a copy, modified in place below
         raw_logprobs = self._raw_logprobs(logits, rows)
         for i, row in enumerate(rows):
             if row.params.has_penalties:
