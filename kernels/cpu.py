@@ -79,11 +79,8 @@ def _prefix_attention(
     # Every row's query heads of one KV head in one GEMM: [H_kv, R*G, D] @ [H_kv, D, P].
     q = (query.float() * scale).view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
     scores = q.reshape(num_kv_heads, rows * group, head_dim) @ k  # [H_kv, R*G, P]
-    top = scores.amax(dim=-1, keepdim=True)
-    probs = scores.sub_(top).exp_()  # unnormalised, in place
-    denom = probs.sum(dim=-1, keepdim=True)
-    out = (probs @ v) / denom  # [H_kv, R*G, D]
-    lse = (top + denom.log()).squeeze(-1)  # [H_kv, R*G]
+    lse = native.softmax_(scores)  # [H_kv, R*G]; scores are now the probabilities
+    out = scores @ v  # [H_kv, R*G, D]
     out = out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, rows, group).transpose(0, 1)
     return out.reshape(rows, num_heads, head_dim), lse.reshape(rows, num_heads)

@@ -62,6 +62,26 @@ INLINE float hsum(vf v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* The lane sums of four vectors, as the four lanes of one: halving folds, two vectors at a
+ * time, so that every shuffle and add does useful work. */
+INLINE vf4 hsum4(vf a, vf b, vf c, vf d) {
+    const vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7,
+                                          16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,
+                                          24, 25, 26, 27, 28, 29, 30, 31);
+    const vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7,
+                                          16, 17, 18, 19, 20, 21, 22, 23) +
+                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15,
+                                          24, 25, 26, 27, 28, 29, 30, 31);
+    const vf abcd = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11,
+                                            16, 17, 18, 19, 24, 25, 26, 27) +
+                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15,
+                                            20, 21, 22, 23, 28, 29, 30, 31);
+    const vf8 e = __builtin_shufflevector(abcd, abcd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                  __builtin_shufflevector(abcd, abcd, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(e, e, 0, 2, 4, 6) + __builtin_shufflevector(e, e, 1, 3, 5, 7);
+}
+
 /* One KV head's n rows of a block (stride bytes apart) as float32 rows of `width` floats:
  * the rows in place when they already are, else widened into `buf` (zero-padded). */
 INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, int64_t dim,
@@ -157,7 +177,26 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
                 const int64_t h = kh * group + g;
                 /* scores */
                 float top = run_max[h];
-                for (int64_t t = 0; t < n; t++) {
+                int64_t t = 0;
+                for (; t + 4 <= n; t += 4) { /* four keys at a time, reduced together */
+                    vf d0 = loadv(&q[h][0]) * loadv(krows[t]);
+                    vf d1 = loadv(&q[h][0]) * loadv(krows[t + 1]);
+                    vf d2 = loadv(&q[h][0]) * loadv(krows[t + 2]);
+                    vf d3 = loadv(&q[h][0]) * loadv(krows[t + 3]);
+                    for (int64_t c = VL; c < width; c += VL) {
+                        const vf qc = loadv(&q[h][c]);
+                        d0 += qc * loadv(krows[t] + c);
+                        d1 += qc * loadv(krows[t + 1] + c);
+                        d2 += qc * loadv(krows[t + 2] + c);
+                        d3 += qc * loadv(krows[t + 3] + c);
+                    }
+                    const vf4 s = hsum4(d0, d1, d2, d3);
+                    for (int i = 0; i < 4; i++) {
+                        p[g][t + i] = s[i];
+                        top = s[i] > top ? s[i] : top;
+                    }
+                }
+                for (; t < n; t++) {
                     vf dot = loadv(&q[h][0]) * loadv(krows[t]);
                     for (int64_t c = VL; c < width; c += VL)
                         dot += loadv(&q[h][c]) * loadv(krows[t] + c);
@@ -240,5 +279,27 @@ void reshape_and_cache(const char *key, const char *value, int64_t key_stride,
         if (slots[t] < 0) continue;
         memcpy(key_cache + slots[t] * row_bytes, key + t * key_stride, row_bytes);
         memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
+    }
+}
+
+/* Softmax of each row of `scores` in place, normalised, and each row's log-sum-exp: the
+ * middle of cascade attention's prefix pass (scores = Q K^T, then probs V), in one pass. */
+void softmax_rows(float *scores, int64_t rows, int64_t n, float *lse, int num_threads) {
+#pragma omp parallel for if (rows * n >= 32768) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * n;
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            s[i] = exp_neg(s[i] - top);
+            sum += s[i];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) s[i] *= inv;
+        lse[r] = top + logf(sum);
     }
 }
