@@ -29,17 +29,20 @@ if sys.path and Path(sys.path[0]).resolve() == REPO_ROOT / "bench":
 from bench.throughput import model_shape, native_dtype, run_kvbatch  # noqa: E402
 from bench.workloads import WORKLOADS, make_workload  # noqa: E402
 from engine import EngineConfig, LLMEngine  # noqa: E402
+from kernels import native  # noqa: E402
 
-# Operator name fragments -> the part of a step they belong to; the first match wins.
+# Operator name fragments -> the part of a step they belong to; the first match wins. The C
+# kernels appear as kvbatch::<function> (kernels.native.label_for_profiler).
 PARTS = (
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::bmm", "aten::matmul",
                 "mkldnn")),
-    ("attention", ("paged_decode", "scaled_dot_product", "_flash_attention", "prefix_attention",
+    ("attention", ("paged_decode", "scaled_dot_product", "_flash_attention", "softmax_rows",
                    "reshape_and_cache", "index_put")),
     ("sampling", ("sample", "argmax", "topk", "sort", "multinomial", "softmax")),
-    ("elementwise", ("aten::mul", "aten::add", "aten::sub", "aten::div", "aten::silu",
-                     "aten::rms_norm", "aten::cat", "aten::neg", "aten::exp", "aten::copy_",
-                     "aten::to", "aten::_to_copy", "aten::pow", "aten::mean", "aten::rsqrt")),
+    ("elementwise", ("kvbatch::rms_norm", "kvbatch::rotary", "kvbatch::silu_mul", "aten::mul",
+                     "aten::add", "aten::sub", "aten::div", "aten::silu", "aten::rms_norm",
+                     "aten::cat", "aten::neg", "aten::exp", "aten::copy_", "aten::to",
+                     "aten::_to_copy", "aten::pow", "aten::mean", "aten::rsqrt")),
 )
 
 
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.model_flops / res.wall_s / 1e9:.1f} GFLOP/s")
         return 0
 
+    native.label_for_profiler()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         res = run_kvbatch(engine, w, shape)

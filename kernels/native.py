@@ -6,7 +6,8 @@ built with ``-O3 -march=native -fopenmp`` (plus its own flags) into
 the flags, the compiler and the CPU's feature flags, so that a cache shared between different
 machines never loads code built for another instruction set. OpenMP resolves to the
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
-runtime. ctypes releases the GIL for the duration of a call.
+runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
+C functions in its profiles (``label_for_profiler``).
 
 - ``cpu_decode.c``: paged decode attention (``paged_decode``), the cache write
   (``reshape_and_cache``) and a row softmax with log-sum-exp (``softmax_``).
@@ -23,6 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -67,7 +69,7 @@ def _compiler() -> str:
 
 
 @cache
-def library(name: str = "cpu_decode") -> ctypes.CDLL:
+def library(name: str) -> ctypes.CDLL:
     """The compiled kernels of ``kernels/<name>.c``, built on first use."""
     from engine.models.loader import cache_dir  # here: the engine imports these kernels
 
@@ -203,14 +205,13 @@ def paged_decode(
     def ptr(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
-    with torch.profiler.record_function("kvbatch::paged_decode"):  # named in profiles
-        library().paged_decode(
-            query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            KV_DTYPES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
-            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
-            out.data_ptr(), lse.data_ptr(), ptr(seed_rows), prefix_blocks, ptr(seed_out),
-            ptr(seed_lse), torch.get_num_threads(),
-        )
+    library("cpu_decode").paged_decode(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        KV_DTYPES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), lse.data_ptr(), ptr(seed_rows), prefix_blocks, ptr(seed_out),
+        ptr(seed_lse), torch.get_num_threads(),
+    )
     return out, lse
 
 
@@ -229,7 +230,7 @@ def reshape_and_cache(
         if not pool.is_contiguous():
             raise ValueError("the KV cache must be contiguous")
     slots = slot_mapping.to(torch.int64).contiguous()
-    library().reshape_and_cache(
+    library("cpu_decode").reshape_and_cache(
         key.data_ptr(), value.data_ptr(), key.stride(0) * key.element_size(),
         value.stride(0) * value.element_size(), key_cache.data_ptr(), value_cache.data_ptr(),
         slots.data_ptr(), slots.numel(), row * key.element_size(),
@@ -242,6 +243,26 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
         raise ValueError("softmax_ needs contiguous float32 scores")
     n = scores.shape[-1]
     lse = scores.new_empty(scores.shape[:-1])
-    library().softmax_rows(scores.data_ptr(), scores.numel() // n, n, lse.data_ptr(),
+    library("cpu_decode").softmax_rows(scores.data_ptr(), scores.numel() // n, n, lse.data_ptr(),
                            torch.get_num_threads())
     return lse
+
+
+def label_for_profiler() -> None:
+    """Make every C kernel show up in ``torch.profiler`` as ``kvbatch::<function>``.
+
+    Wraps the loaded libraries' functions in ``record_function``; for profiling runs only,
+    since the wrapper costs a few microseconds per call even with no profiler running.
+    """
+    for name, (_, functions) in LIBRARIES.items():
+        lib = library(name)
+        for function in functions:
+            setattr(lib, function, _labelled(f"kvbatch::{function}", getattr(lib, function)))
+
+
+def _labelled(label: str, function: Callable[..., None]) -> Callable[..., None]:
+    def call(*args: object) -> None:
+        with torch.profiler.record_function(label):
+            function(*args)
+
+    return call

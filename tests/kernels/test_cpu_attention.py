@@ -97,11 +97,11 @@ def test_decode_of_tiny_batches(paged_batch, assert_matches, seqs) -> None:
 def test_decode_kernel_is_built_once_per_cpu_and_refuses_other_dtypes() -> None:
     from kernels import native
 
-    built = Path(native.library()._name)
+    built = Path(native.library("cpu_decode")._name)
     assert built.parent == cache_dir() / "kernels"
     stamp = built.stat().st_mtime_ns
     native.library.cache_clear()  # a new process: it finds the file and does not rebuild
-    assert Path(native.library()._name) == built
+    assert Path(native.library("cpu_decode")._name) == built
     assert built.stat().st_mtime_ns == stamp
     cache = torch.zeros(4, 16, 1, 8, dtype=torch.float64)
     with pytest.raises(TypeError, match=r"no CPU decode kernel for a torch\.float64"):
