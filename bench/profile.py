@@ -32,7 +32,7 @@ from engine import EngineConfig, LLMEngine  # noqa: E402
 from kernels import native  # noqa: E402
 
 # Operator name fragments -> the part of a step they belong to; the first match wins. The C
-# kernels appear as kvbatch::<function> (kernels.native.label_for_profiler).
+# kernels appear as kvbatch::<function> (kernels.native.labelled_for_profiler).
 PARTS = (
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::bmm", "aten::matmul",
                 "mkldnn")),
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.model_flops / res.wall_s / 1e9:.1f} GFLOP/s")
         return 0
 
-    native.label_for_profiler()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with native.labelled_for_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         res = run_kvbatch(engine, w, shape)
         wall = time.perf_counter() - start

@@ -41,6 +41,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO_ROOT / "bench":
 
 from bench.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import cpu_has_native_bf16  # noqa: E402
 from engine.models.loader import resolve_model_dir  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "bench" / "out"
@@ -286,9 +287,9 @@ def summarize(workload: str, res: SystemResult, base: SystemResult, peak: float)
 
 
 def native_dtype() -> str:
-    """The faster dtype for this CPU: bfloat16 with native bf16 dot products, else float32."""
-    native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "bfloat16" if native_bf16 else "float32"
+    """The faster dtype for this CPU: bfloat16 with native bf16 dot products, else float32
+    (what ``EngineConfig(dtype="auto")`` picks on the CPU)."""
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def machine() -> str:

@@ -13,13 +13,21 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build an engine.
 
     Args:
         model: a Hugging Face model directory, or ``smollm2-135m-instruct`` (the built-in default).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV cache.
+        dtype: ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV
+            cache, or ``auto``: bfloat16 on CUDA (float16 without bf16 support) and on CPUs that
+            multiply bf16 natively (AVX512-BF16 or AMX), float32 on other CPUs, where torch's
+            bf16 matmul runs about a hundred times slower than float32.
         device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
         block_size: tokens per KV block; by default 16 on CUDA (the Triton kernels' tile) and 8
             on the CPU, where the kernels run as fast with either and 8 halves the KV memory
@@ -33,7 +41,8 @@ class EngineConfig:
         max_model_len: longest prompt + output; defaults to the model's context length.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         enable_chunked_prefill: split prompts longer than the step budget over several steps.
-        attention_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        attention_backend: ``auto`` (Triton on CUDA, ``cpu`` elsewhere), ``torch``, ``cpu``
+            or ``triton``.
         seed: seed of the engine's global generator (requests may carry their own).
     """
 
@@ -53,8 +62,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(
+                f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}"
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -80,9 +91,12 @@ class EngineConfig:
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
     def resolve_block_size(self, device: torch.device) -> int:
         if self.block_size is not None:
@@ -102,6 +116,7 @@ class RuntimeInfo:
     """Values the engine discovers when it loads the model and sizes the KV pool."""
 
     device: torch.device
+    dtype: torch.dtype
     attention_backend: str
     block_size: int
     num_kv_blocks: int

@@ -52,6 +52,7 @@ class LLMEngine:
         self.config = config
         device = config.resolve_device()
         block_size = config.resolve_block_size(device)
+        dtype = config.resolve_dtype(device)
         model_dir = loader.resolve_model_dir(config.model)
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)
@@ -62,11 +63,11 @@ class LLMEngine:
         with torch.device(device):
             model = LlamaForCausalLM(hf_config, get_ops(backend), max_model_len)
         model.load_weights(loader.iter_safetensors(model_dir))
-        model = model.to(dtype=config.torch_dtype).eval()
+        model = model.to(dtype=dtype).eval()
 
         per_block = (
             2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
-            * config.torch_dtype.itemsize
+            * dtype.itemsize
         )
         num_blocks = config.num_kv_blocks or max(1, _kv_budget(config, device) // per_block)
         if num_blocks * block_size < max_model_len:
@@ -79,11 +80,12 @@ class LLMEngine:
         kv_caches = torch.zeros(
             (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads,
              model.head_dim),
-            dtype=config.torch_dtype,
+            dtype=dtype,
             device=device,
         )
         self.info = RuntimeInfo(
             device=device,
+            dtype=dtype,
             attention_backend=backend,
             block_size=block_size,
             num_kv_blocks=num_blocks,

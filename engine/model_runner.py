@@ -12,6 +12,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampled, Sampler, SampleRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from kernels import native
 from kernels.cpu import shared_prefix
 
 
@@ -40,10 +41,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Build (or load) the decode kernel now rather than in the first decode step.
+        """Build (or load) the kernels now rather than in the first step.
 
-        Runs the decode op once over two sequences of the (empty) cache; it only reads.
+        Runs the decode op once over two sequences of the (empty) cache; it only reads. With
+        the fused CPU layer ops, their C library is built too.
         """
+        if self.model.norm.fused:
+            native.library("cpu_layer")
         attn = self.model.layers[0].self_attn.attn
         num_seqs, num_blocks = 2, 2
         query = torch.zeros(

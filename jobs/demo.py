@@ -56,7 +56,8 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                                        "SQLite, a worker, a small dataset, results and stats")
     demo.add_argument("--model", default=DEFAULT_MODEL,
                       help="model for the worker: a name or a Hugging Face directory")
-    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    demo.add_argument("--dtype", default="float32",
+                      choices=["float32", "bfloat16", "float16", "auto"])
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--num-prompts", type=int, default=len(QUESTIONS),
                       choices=range(1, len(QUESTIONS) + 1), metavar=f"1..{len(QUESTIONS)}")

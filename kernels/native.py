@@ -7,7 +7,7 @@ the flags, the compiler and the CPU's feature flags, so that a cache shared betw
 machines never loads code built for another instruction set. OpenMP resolves to the
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
 runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
-C functions in its profiles (``label_for_profiler``).
+C functions in its profiles (``labelled_for_profiler``).
 
 - ``cpu_decode.c``: paged decode attention (``paged_decode``), the cache write
   (``reshape_and_cache``) and a row softmax with log-sum-exp (``softmax_``).
@@ -24,7 +24,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -248,16 +249,25 @@ def softmax_(scores: torch.Tensor) -> torch.Tensor:
     return lse
 
 
-def label_for_profiler() -> None:
-    """Make every C kernel show up in ``torch.profiler`` as ``kvbatch::<function>``.
+@contextmanager
+def labelled_for_profiler() -> Iterator[None]:
+    """Within the block, every C kernel shows up in ``torch.profiler`` as ``kvbatch::<name>``.
 
-    Wraps the loaded libraries' functions in ``record_function``; for profiling runs only,
-    since the wrapper costs a few microseconds per call even with no profiler running.
+    Wraps the loaded libraries' functions in ``record_function`` and restores them on exit:
+    the wrapper costs a few microseconds per call even with no profiler running.
     """
+    originals = []
     for name, (_, functions) in LIBRARIES.items():
         lib = library(name)
         for function in functions:
-            setattr(lib, function, _labelled(f"kvbatch::{function}", getattr(lib, function)))
+            original = getattr(lib, function)
+            originals.append((lib, function, original))
+            setattr(lib, function, _labelled(f"kvbatch::{function}", original))
+    try:
+        yield
+    finally:
+        for lib, function, original in originals:
+            setattr(lib, function, original)
 
 
 def _labelled(label: str, function: Callable[..., None]) -> Callable[..., None]:

@@ -35,3 +35,23 @@ def test_throughput_bench_runs_on_a_tiny_model(tiny_model: Path, tmp_path: Path,
     shared = next(e for e in report["raw"] if e["workload"] == "shared-prefix")
     assert shared["kvbatch"]["prefix_hit_rate"] > 0.5
     assert "vs transformers" in capsys.readouterr().out
+
+
+def test_profile_names_the_parts_of_a_step(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", [
+        "profile.py", "--model", str(tiny_model), "--dtype", "float32", "--workload",
+        "shared-prefix", "--num-requests", "4", "--max-output", "6", "--top", "100",
+    ])
+    monkeypatch.syspath_prepend(str(REPO))
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(REPO / "bench" / "profile.py"), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for part in ("matmul", "attention", "python, rest"):
+        assert part in out
+    assert "kvbatch::paged_decode" in out  # the C kernels are labelled in the profile
+    from kernels import native
+
+    lib = native.library("cpu_decode")
+    assert type(lib.paged_decode).__name__ != "function"  # the labels were taken off again

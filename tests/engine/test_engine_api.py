@@ -165,6 +165,20 @@ def test_more_samples_than_seats_is_refused(tiny_model: Path) -> None:
     assert out.finish_reason == "error" and "max_num_seqs" in (out.error or "")
 
 
+def test_auto_dtype_follows_the_cpu_and_bad_dtypes_are_refused(tiny_model: Path) -> None:
+    from engine.config import cpu_has_native_bf16
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="auto", num_kv_blocks=16))
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert engine.info.dtype == expected
+    assert engine.runner.kv_caches.dtype == expected
+    assert engine.runner.model.embed_tokens.weight.dtype == expected
+    (out,) = engine.generate([[1, 2, 3]], GREEDY)
+    assert len(out.token_ids) == GREEDY.max_tokens
+    with pytest.raises(ValueError, match=r"dtype must be one of .* or 'auto', got 'fp8'"):
+        EngineConfig(dtype="fp8")
+
+
 def test_abort_frees_blocks_and_reports(engine: LLMEngine) -> None:
     engine.add_request("a", list(range(50)), GREEDY)
     engine.add_request("b", list(range(60, 70)), GREEDY)
