@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
 enum { VL = 16 }; /* floats per vector */
 
@@ -27,28 +29,6 @@ typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
-
-#define INLINE static inline __attribute__((always_inline))
-
-/* exp(x) for x <= 0 (Cephes' polynomial, ~1 ulp); 0 for x below about -87. */
-INLINE float exp_neg(float x) {
-    const float lo = -87.0f;
-    const float clamped = x < lo ? lo : x;
-    const float k = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round */
-    float r = clamped - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x < lo ? 0.0f : y * scale;
-}
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -206,14 +186,14 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
                 /* online softmax: rescale what came before only when the max moved */
                 float sum = run_sum[h];
                 if (top != run_max[h]) {
-                    const float alpha = exp_neg(run_max[h] - top); /* 0 on the first block */
+                    const float alpha = exp_approx(run_max[h] - top); /* 0 on the first block */
                     sum *= alpha;
                     for (int64_t c = 0; c < width; c += VL)
                         storev(&acc[h][c], loadv(&acc[h][c]) * alpha);
                     run_max[h] = top;
                 }
                 for (int64_t t = 0; t < n; t++) {
-                    p[g][t] = exp_neg(p[g][t] - top);
+                    p[g][t] = exp_approx(p[g][t] - top);
                     sum += p[g][t];
                 }
                 run_sum[h] = sum;
@@ -294,7 +274,7 @@ void softmax_rows(float *scores, int64_t rows, int64_t n, float *lse, int num_th
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; i++) {
-            s[i] = exp_neg(s[i] - top);
+            s[i] = exp_approx(s[i] - top);
             sum += s[i];
         }
         const float inv = 1.0f / sum;

@@ -12,10 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 enum { LANES = 16 };
-
-#define INLINE static inline __attribute__((always_inline))
 
 INLINE float load(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)p)[i];
@@ -54,25 +54,6 @@ INLINE float round_to(float v, int dtype) {
         return f;
     }
     return (float)(_Float16)v;
-}
-
-/* exp(x), vectorisable (Cephes' polynomial, about 1 ulp); x is clamped to [-87, 88]. */
-INLINE float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round */
-    float r = x - k * 0.693359375f;
-    r = r - k * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
 }
 
 /* Rows are spread over threads only when there is enough work to pay for waking them. The

@@ -1,10 +1,11 @@
 """Native CPU kernels: C sources next to this file, compiled once per CPU and loaded by ctypes.
 
-Inductor needs the same C compiler on the CPU path, so this adds no requirement. Each source is
-built with ``-O3 -march=native -fopenmp`` (plus its own flags) into
+The CPU path needs a C compiler (``cc``/``gcc``, or ``$CC``), as torch's inductor does. Each
+source is built with ``-O3 -march=native -fopenmp`` (plus its own flags) into
 ``$KVBATCH_CACHE_DIR/kernels/`` (default ``~/.cache/kvbatch``), named by a hash of the source,
 the flags, the compiler and the CPU's feature flags, so that a cache shared between different
-machines never loads code built for another instruction set. OpenMP resolves to the
+machines never loads code built for another instruction set (the shared header
+``cpu_common.h`` is part of every key). OpenMP resolves to the
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
 runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
 C functions in its profiles (``labelled_for_profiler``).
@@ -79,8 +80,9 @@ def library(name: str) -> ctypes.CDLL:
     flags = (*CFLAGS, *extra)
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_common.h
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *flags, version, _cpu_flags()]).encode()
+        "\0".join([source.read_text(), *headers, *flags, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"{name}-{key}.so"
     if not target.exists():

@@ -1,0 +1,30 @@
+/* Shared by the CPU kernels (cpu_decode.c, cpu_layer.c); part of each build's cache key. */
+#ifndef KVBATCH_CPU_COMMON_H
+#define KVBATCH_CPU_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* exp(x), vectorisable (Cephes' polynomial, about 1 ulp): 0 below -87, x clamped at 88. */
+INLINE float exp_approx(float x) {
+    const float lo = -87.0f, hi = 88.0f;
+    const float clamped = x < lo ? lo : (x > hi ? hi : x);
+    const float k = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round */
+    float r = clamped - k * 0.693359375f;
+    r = r - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x < lo ? 0.0f : y * scale;
+}
+
+#endif
