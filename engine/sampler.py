@@ -31,8 +31,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-        """Sample one token per row of ``logits`` ([N, vocab], the model's dtype)."""
-        logits = logits.float()  # a copy where it was not float32 (torch's bf16 argmax is slow)
+        """Sample one token per row of ``logits`` ([N, vocab] float32, modified in place)."""
         if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: one argmax
             return [Sampled(token, None) for token in logits.argmax(dim=-1).tolist()]
         raw_logprobs = self._raw_logprobs(logits, rows)

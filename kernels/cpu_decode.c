@@ -74,12 +74,10 @@ INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, i
             continue;
         }
         rows[t] = dst;
-        if (dim == width) {
+        if (dim == width) { /* bf16 or fp16: float32 rows of whole vectors are direct */
             for (int64_t c = 0; c < width; c += VL) {
                 vf x;
-                if (kv_dtype == KV_FLOAT32) {
-                    x = *(const vf_u *)(row + c * 4);
-                } else if (kv_dtype == KV_BFLOAT16) {
+                if (kv_dtype == KV_BFLOAT16) {
                     const vu bits = __builtin_convertvector(*(const vh_u *)(row + c * 2), vu) << 16;
                     memcpy(&x, &bits, sizeof x);
                 } else {

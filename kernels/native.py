@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # as the C files number them
 
 _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -104,9 +104,9 @@ def library(name: str) -> ctypes.CDLL:
 
 
 def _dtype_code(t: torch.Tensor) -> int:
-    if t.dtype not in KV_DTYPES:
+    if t.dtype not in DTYPE_CODES:
         raise TypeError(f"no CPU kernel for {t.dtype} tensors")
-    return KV_DTYPES[t.dtype]
+    return DTYPE_CODES[t.dtype]
 
 
 def rms_norm(
@@ -185,7 +185,7 @@ def paged_decode(
     With ``prefix``, its rows start from the prefix's attention and read only the blocks
     after it (cascade attention, merged exactly by the online softmax).
     """
-    if key_cache.dtype not in KV_DTYPES:
+    if key_cache.dtype not in DTYPE_CODES:
         raise TypeError(f"no CPU decode kernel for a {key_cache.dtype} KV cache")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
@@ -210,7 +210,7 @@ def paged_decode(
 
     library("cpu_decode").paged_decode(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-        KV_DTYPES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        DTYPE_CODES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), lse.data_ptr(), ptr(seed_rows), prefix_blocks, ptr(seed_out),
         ptr(seed_lse), torch.get_num_threads(),
