@@ -36,7 +36,7 @@ from kernels import native  # noqa: E402
 PARTS = (
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::bmm", "aten::matmul",
                 "mkldnn")),
-    ("attention", ("paged_decode", "scaled_dot_product", "_flash_attention", "softmax_rows",
+    ("attention", ("paged_decode", "scaled_dot_product", "_flash_attention",
                    "reshape_and_cache", "index_put")),
     ("sampling", ("sample", "argmax", "topk", "sort", "multinomial", "softmax")),
     ("elementwise", ("kvbatch::rms_norm", "kvbatch::rotary", "kvbatch::silu_mul", "aten::mul",

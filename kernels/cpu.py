@@ -70,17 +70,19 @@ def _prefix_attention(
     value_cache: torch.Tensor,
     blocks: torch.Tensor,  # [k] the shared blocks, all full
     scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [R, H, D], lse [R, H]
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [R, H, D] in the query's dtype, lse [R, H] float32
     rows, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = key_cache[blocks].flatten(0, 1).float().permute(1, 2, 0)  # [H_kv, D, P]
-    v = value_cache[blocks].flatten(0, 1).float().transpose(0, 1)  # [H_kv, P, D]
-    # Every row's query heads of one KV head in one GEMM: [H_kv, R*G, D] @ [H_kv, D, P].
-    q = (query.float() * scale).view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
-    scores = q.reshape(num_kv_heads, rows * group, head_dim) @ k  # [H_kv, R*G, P]
-    lse = native.softmax_(scores)  # [H_kv, R*G]; scores are now the probabilities
-    out = scores @ v  # [H_kv, R*G, D]
+    # Every row's query heads of one KV head as that head's queries: [1, H_kv, R*G, D]
+    # against the prefix's [1, H_kv, P, D], in torch's fused CPU attention (float32
+    # accumulation, blocked GEMMs in the cache dtype), which also returns the log-sum-exp.
+    k = key_cache[blocks].flatten(0, 1).transpose(0, 1)[None]
+    v = value_cache[blocks].flatten(0, 1).transpose(0, 1)[None]
+    q = query.view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.reshape(1, num_kv_heads, rows * group, head_dim), k, v, scale=scale
+    )
     out = out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
     lse = lse.view(num_kv_heads, rows, group).transpose(0, 1)
     return out.reshape(rows, num_heads, head_dim), lse.reshape(rows, num_heads)
@@ -99,8 +101,8 @@ def paged_attention_decode(
 
     Cascade attention for shared prefixes: when many sequences' block tables start with the
     same blocks (one system prompt, prefix-cached), those blocks are read once for all of
-    them in one GEMM, and the kernel starts each of those sequences from that result and
-    reads only its own blocks. Decode is bound by K/V reads, so this saves the shared
+    them in one fused attention call, and the kernel starts each of those sequences from that
+    result and reads only its own blocks. Decode is bound by K/V reads, so this saves the shared
     prefix's share of them. ``prefix`` is ``shared_prefix``'s answer (rows as a tensor) when
     the caller has it (the engine finds it once per step); it is found here otherwise.
     """

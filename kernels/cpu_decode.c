@@ -259,25 +259,3 @@ void reshape_and_cache(const char *key, const char *value, int64_t key_stride,
         memcpy(value_cache + slots[t] * row_bytes, value + t * value_stride, row_bytes);
     }
 }
-
-/* Softmax of each row of `scores` in place, normalised, and each row's log-sum-exp: the
- * middle of cascade attention's prefix pass (scores = Q K^T, then probs V), in one pass. */
-void softmax_rows(float *scores, int64_t rows, int64_t n, float *lse, int num_threads) {
-#pragma omp parallel for if (rows * n >= 32768) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * n;
-        float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-        for (int64_t i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; i++) {
-            s[i] = exp_approx(s[i] - top);
-            sum += s[i];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        lse[r] = top + logf(sum);
-    }
-}

@@ -10,8 +10,8 @@ machines never loads code built for another instruction set (the shared header
 runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
 C functions in its profiles (``labelled_for_profiler``).
 
-- ``cpu_decode.c``: paged decode attention (``paged_decode``), the cache write
-  (``reshape_and_cache``) and a row softmax with log-sum-exp (``softmax_``).
+- ``cpu_decode.c``: paged decode attention (``paged_decode``) and the cache write
+  (``reshape_and_cache``).
 - ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``rotary_``,
   ``silu_mul``), rounding where transformers' eager ops round; built without FMA contraction.
 """
@@ -44,7 +44,6 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
         "paged_decode": [_ptr, _ptr, _ptr, _i32, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                          _i64, _f32, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i32],
         "reshape_and_cache": [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64],
-        "softmax_rows": [_ptr, _i64, _i64, _ptr, _i32],
     }),
     "cpu_layer": (("-ffp-contract=off",), {
         "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
@@ -238,17 +237,6 @@ def reshape_and_cache(
         value.stride(0) * value.element_size(), key_cache.data_ptr(), value_cache.data_ptr(),
         slots.data_ptr(), slots.numel(), row * key.element_size(),
     )
-
-
-def softmax_(scores: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim of float32 ``scores`` in place; returns the log-sum-exps."""
-    if scores.dtype != torch.float32 or not scores.is_contiguous():
-        raise ValueError("softmax_ needs contiguous float32 scores")
-    n = scores.shape[-1]
-    lse = scores.new_empty(scores.shape[:-1])
-    library("cpu_decode").softmax_rows(scores.data_ptr(), scores.numel() // n, n, lse.data_ptr(),
-                           torch.get_num_threads())
-    return lse
 
 
 @contextmanager
