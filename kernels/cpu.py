@@ -68,7 +68,7 @@ def _prefix_attention(
     query: torch.Tensor,  # [R, H, D]
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    blocks: torch.Tensor,  # [k] the shared blocks, all full
+    blocks: torch.Tensor,  # [k] the shared blocks, all full (on the CPU)
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [R, H, D] in the query's dtype, lse [R, H] float32
     rows, num_heads, head_dim = query.shape
@@ -77,8 +77,14 @@ def _prefix_attention(
     # Every row's query heads of one KV head as that head's queries: [1, H_kv, R*G, D]
     # against the prefix's [1, H_kv, P, D], in torch's fused CPU attention (float32
     # accumulation, blocked GEMMs in the cache dtype), which also returns the log-sum-exp.
-    k = key_cache[blocks].flatten(0, 1).transpose(0, 1)[None]
-    v = value_cache[blocks].flatten(0, 1).transpose(0, 1)[None]
+    ids = blocks.numpy()
+    first, count = int(ids[0]), len(ids)
+    if np.array_equal(ids, np.arange(first, first + count)):  # one prefill's blocks: no copy
+        k, v = key_cache[first : first + count], value_cache[first : first + count]
+    else:
+        k, v = key_cache[blocks.long()], value_cache[blocks.long()]
+    k = k.flatten(0, 1).transpose(0, 1)[None]
+    v = v.flatten(0, 1).transpose(0, 1)[None]
     q = query.view(rows, num_kv_heads, group, head_dim).transpose(0, 1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.reshape(1, num_kv_heads, rows * group, head_dim), k, v, scale=scale
@@ -115,7 +121,7 @@ def paged_attention_decode(
     rows, shared = prefix
     seed = None
     if shared * block_size >= CASCADE_MIN_TOKENS:
-        blocks = block_tables[rows[0], :shared].long()
+        blocks = block_tables[rows[0], :shared]
         out, lse = _prefix_attention(query[rows], key_cache, value_cache, blocks, scale)
         seed = PrefixSeed(rows, shared, out, lse)
     out, _ = paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, seed)

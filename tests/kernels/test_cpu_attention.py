@@ -65,13 +65,18 @@ CASCADE_SEQS = [(120, 1), (97, 1), (200, 1), (81, 1), (150, 1), (77, 1)]
 ])
 @pytest.mark.parametrize("sharing", ["all", "some"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# scattered: the prefix's blocks are gathered; consecutive (one prompt's prefill): viewed
+@pytest.mark.parametrize("layout", ["scattered", "consecutive"])
 def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, head_dim,
-                                                   block_size, heads, sharing, dtype) -> None:
+                                                   block_size, heads, sharing, dtype,
+                                                   layout) -> None:
     batch = paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
                         head_dim=head_dim, block_size=block_size, dtype=dtype)
     shared_blocks = (CASCADE_SEQS[-1][0] - 1) // block_size  # every row keeps its own tail
     sharers = range(len(CASCADE_SEQS)) if sharing == "all" else [0, 2, 3, 5]
     tables = batch.block_tables.clone()
+    if layout == "consecutive":
+        tables[0, :shared_blocks] = torch.arange(3, 3 + shared_blocks, dtype=tables.dtype)
     for row in sharers:
         tables[row, :shared_blocks] = tables[0, :shared_blocks]
     rows, shared = cpu.shared_prefix(tables.numpy(), batch.seq_lens.numpy(), block_size)
