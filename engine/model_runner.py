@@ -35,7 +35,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
-        self.sampler = Sampler(seed)
+        # With the fused CPU layer ops, greedy batches take the C argmax too.
+        self.sampler = Sampler(seed, native.argmax) if model.norm.fused else Sampler(seed)
         # Cascade-capable attention ops get the step's shared prefix, found once per step.
         self.cascade = model.layers[0].self_attn.attn.ops.cascade
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +27,26 @@ class Sampled:
     logprobs: dict[int, float] | None  # sampled token and top-k, from the raw logits
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int) -> None:
+    """``argmax`` picks the greedy tokens of a batch in which nothing edits the logits; the
+    CPU engine passes the C one (``kernels.native.argmax``), which reads bf16 as it is."""
+
+    def __init__(
+        self, seed: int, argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+    ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-        """Sample one token per row of ``logits`` ([N, vocab] float32, modified in place)."""
+        """Sample one token per row of ``logits`` ([N, vocab], the model's dtype; worked on
+        in float32, in place when they are float32)."""
         if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: one argmax
-            return [Sampled(token, None) for token in logits.argmax(dim=-1).tolist()]
+            return [Sampled(token, None) for token in self.argmax(logits).tolist()]
+        logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
         for i, row in enumerate(rows):
             if row.params.has_penalties:

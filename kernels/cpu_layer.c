@@ -153,3 +153,74 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int d
 #undef ROW
     }
 }
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+INLINE vf load_vec(const void *p, int64_t i, int dtype) {
+    vf v;
+    for (int64_t j = 0; j < LANES; j++) v[j] = load(p, i + j, dtype);
+    return v;
+}
+
+/* Lanes of a where mask is set, else of b. */
+INLINE vf select(vi mask, vf a, vf b) {
+    vi ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    const vi r = (ai & mask) | (bi & ~mask);
+    vf out;
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+INLINE int64_t argmax_row(const void *x, int64_t base, int64_t n, int dtype) {
+    /* the max over vectors of LANES partial maxima, then its first index; NaN counts as the
+     * largest value, as in torch.argmax */
+    const vf ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                     -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                     -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    vf part = ninf;
+    vi nan = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf v = load_vec(x, base + i, dtype);
+        part = select(v > part, v, part);
+        nan |= v != v;
+    }
+    float top = -INFINITY;
+    int any_nan = 0;
+    for (int64_t j = 0; j < LANES; j++) {
+        top = part[j] > top ? part[j] : top;
+        any_nan |= nan[j];
+    }
+    for (; i < n; i++) {
+        const float v = load(x, base + i, dtype);
+        top = v > top ? v : top;
+        any_nan |= v != v;
+    }
+    int64_t k = 0;
+    for (; k + LANES <= n; k += LANES) { /* skip to the first vector holding it */
+        const vf v = load_vec(x, base + k, dtype);
+        const vi hit = any_nan ? v != v : v == top;
+        int found = 0;
+        for (int64_t j = 0; j < LANES; j++) found |= hit[j];
+        if (found) break;
+    }
+    for (; k < n; k++) {
+        const float v = load(x, base + k, dtype);
+        if (any_nan ? v != v : v == top) return k;
+    }
+    return 0; /* every value -inf: torch answers 0 too */
+}
+
+/* The index of each row's largest value (the first, on ties): greedy sampling. */
+void argmax_rows(const void *x, int64_t *out, int64_t rows, int64_t n, int dtype,
+                 int num_threads) {
+#pragma omp parallel for PARALLEL_ROWS(rows, n)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(DT) out[r] = argmax_row(x, r * n, n, DT)
+        BY_DTYPE(dtype, ROW)
+#undef ROW
+    }
+}

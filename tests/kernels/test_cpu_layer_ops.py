@@ -76,9 +76,28 @@ def test_silu_mul_matches_transformers(dtype, shape) -> None:
     _close(native.silu_mul(gate_up), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (5, 16), (64, 49152), (2, 1000)])
+def test_argmax_matches_torch_ties_nan_and_inf_included(dtype, shape) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(shape, generator=gen).to(dtype)
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+    rows, n = shape
+    if n < 3:
+        return
+    x[0, n // 2] = x[0, n - 1] = 100.0  # a tie: the first one wins
+    x[-1, n - 1] = 1e4  # the last element, past the whole vectors
+    if rows > 2:
+        x[1, 2] = float("nan")  # NaN counts as the largest, as in torch
+        x[2] = float("-inf")  # all -inf: index 0
+    assert torch.equal(native.argmax(x), x.argmax(-1))
+
+
 def test_layer_ops_refuse_what_they_cannot_do() -> None:
     with pytest.raises(TypeError, match=r"no CPU kernel for torch\.float64"):
         native.silu_mul(torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        native.argmax(torch.zeros(4, 8).t())
     with pytest.raises(ValueError, match="contiguous"):
         native.rms_norm(torch.zeros(4, 8).t(), torch.ones(4), 1e-6)
     with pytest.raises(TypeError, match="cos/sin in the dtype"):
