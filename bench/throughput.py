@@ -303,6 +303,8 @@ def machine() -> str:
     threads = torch.get_num_threads()
     isa = torch.backends.cpu.get_cpu_capability()
     bf16 = "native bf16" if native_dtype() == "bfloat16" else "no native bf16"
+    if torch.cpu._is_amx_tile_supported():
+        bf16 += " with AMX"
     return (f"{cpu} ({isa}, {bf16}), {os.cpu_count()} cores, {threads} threads, "
             f"torch {torch.__version__}")
 
