@@ -1,11 +1,11 @@
 /* Paged decode attention for the CPU: one query token per sequence over its paged K/V.
  *
- * Built and loaded by kernels/native.py (gcc -O3 -march=native -fopenmp, cached per CPU).
+ * Built and loaded by kernels/native.py (gcc -O3 -march=native, cached per CPU).
  * Same maths as kernels/reference.py's decode, with float32 accumulation whatever the cache
  * dtype. Each sequence is one task: it walks its blocks in order, reads every K and V row
  * once straight from its block, and keeps its queries and accumulators in L1. The work is
- * written with GCC/Clang vector types of 16 floats, which the compiler maps onto AVX-512,
- * AVX2 or NEON registers: a block's K and V rows of one KV head are widened to float32 once
+ * written with GCC/Clang vector types of one register's width (16 floats with AVX-512, else
+ * 8): a block's K and V rows of one KV head are widened to float32 once
  * (bf16 by a shift, fp16 by conversion; float32 rows are read in place), every query of the
  * group is dotted with every key of the block, and the softmax runs online one block at a
  * time with a vectorisable exp. Besides the output it returns the log-sum-exp of the scores.
@@ -22,7 +22,14 @@
 #include "cpu_common.h"
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
-enum { VL = 16 }; /* floats per vector */
+/* Floats per vector: one AVX-512 register, else two (AVX2: GCC splits elementwise work over
+ * registers, but lane shuffles wider than a register become scalar moves, so the sums below
+ * shuffle 8-lane vectors only). */
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
@@ -33,10 +40,19 @@ typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
+/* v folded to 8 lanes (the sum of its halves when it has 16). */
+INLINE vf8 fold8(vf v) {
+#if VL == 16
+    return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    return v;
+#endif
+}
+
 /* Sum of the lanes, as a tree (a chain of scalar adds is four times longer). */
 INLINE float hsum(vf v) {
-    const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const vf8 a = fold8(v);
     const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
                   __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
@@ -45,21 +61,15 @@ INLINE float hsum(vf v) {
 /* The lane sums of four vectors, as the four lanes of one: halving folds, two vectors at a
  * time, so that every shuffle and add does useful work. */
 INLINE vf4 hsum4(vf a, vf b, vf c, vf d) {
-    const vf ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7,
-                                          16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15,
-                                          24, 25, 26, 27, 28, 29, 30, 31);
-    const vf cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7,
-                                          16, 17, 18, 19, 20, 21, 22, 23) +
-                  __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15,
-                                          24, 25, 26, 27, 28, 29, 30, 31);
-    const vf abcd = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11,
-                                            16, 17, 18, 19, 24, 25, 26, 27) +
-                    __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15,
-                                            20, 21, 22, 23, 28, 29, 30, 31);
-    const vf8 e = __builtin_shufflevector(abcd, abcd, 0, 1, 4, 5, 8, 9, 12, 13) +
-                  __builtin_shufflevector(abcd, abcd, 2, 3, 6, 7, 10, 11, 14, 15);
-    return __builtin_shufflevector(e, e, 0, 2, 4, 6) + __builtin_shufflevector(e, e, 1, 3, 5, 7);
+    const vf8 a8 = fold8(a), b8 = fold8(b), c8 = fold8(c), d8 = fold8(d);
+    const vf8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) +
+                   __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf8 abcd = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(abcd, abcd, 0, 2, 4, 6) +
+           __builtin_shufflevector(abcd, abcd, 1, 3, 5, 7);
 }
 
 /* One KV head's n rows of a block (stride bytes apart) as float32 rows of `width` floats:

@@ -15,7 +15,14 @@
 #include "cpu_common.h"
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
-enum { LANES = 16 };
+enum { PARTS = 16 }; /* partial sums of RMSNorm's sum of squares */
+/* Floats per vector of the argmax: one AVX-512 register, else two AVX2 ones (wider vectors
+ * than that make GCC assemble and compare them lane by lane). */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
 
 INLINE float load(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)p)[i];
@@ -76,17 +83,18 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
                   load(x, base + i, dtype) + load(residual, base + i, dtype));
     }
     const void *src = residual ? residual : x;
-    /* sum of squares in LANES independent partial sums, so that it vectorises */
-    float part[LANES] = {0.0f};
+    /* sum of squares in PARTS independent partial sums, so that it vectorises (and adds in
+     * the same order whatever the vector width) */
+    float part[PARTS] = {0.0f};
     int64_t i = 0;
-    for (; i + LANES <= hidden; i += LANES)
-        for (int64_t j = 0; j < LANES; j++) {
+    for (; i + PARTS <= hidden; i += PARTS)
+        for (int64_t j = 0; j < PARTS; j++) {
             const float v = load(src, base + i + j, dtype);
             part[j] += v * v;
         }
     float sum = 0.0f;
     for (; i < hidden; i++) sum += load(src, base + i, dtype) * load(src, base + i, dtype);
-    for (int64_t j = 0; j < LANES; j++) sum += part[j];
+    for (int64_t j = 0; j < PARTS; j++) sum += part[j];
     const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
     for (int64_t k = 0; k < hidden; k++) {
         const float normed = round_to(load(src, base + k, dtype) * inv, dtype);
@@ -157,10 +165,28 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int d
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
+typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef uint16_t vh_u __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef _Float16 vhf_u __attribute__((vector_size(LANES * 2), aligned(2)));
+
+/* LANES values from element i on, as float32, by whole-vector loads (not lane by lane). */
 INLINE vf load_vec(const void *p, int64_t i, int dtype) {
+    if (dtype == F32) return *(const vf_u *)((const float *)p + i);
+    if (dtype == F16) return __builtin_convertvector(*(const vhf_u *)((const _Float16 *)p + i), vf);
+    const vu bits = __builtin_convertvector(*(const vh_u *)((const uint16_t *)p + i), vu) << 16;
     vf v;
-    for (int64_t j = 0; j < LANES; j++) v[j] = load(p, i + j, dtype);
+    memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+/* Whether any lane of a comparison's result is set. */
+INLINE int any_lane(vi hit) {
+    uint64_t words[LANES / 2];
+    memcpy(words, &hit, sizeof hit);
+    uint64_t found = 0;
+    for (int64_t j = 0; j < LANES / 2; j++) found |= words[j];
+    return found != 0;
 }
 
 /* Lanes of a where mask is set, else of b. */
@@ -177,10 +203,7 @@ INLINE vf select(vi mask, vf a, vf b) {
 INLINE int64_t argmax_row(const void *x, int64_t base, int64_t n, int dtype) {
     /* the max over vectors of LANES partial maxima, then its first index; NaN counts as the
      * largest value, as in torch.argmax */
-    const vf ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                     -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                     -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    vf part = ninf;
+    vf part = (vf){0} - INFINITY;
     vi nan = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
@@ -202,10 +225,7 @@ INLINE int64_t argmax_row(const void *x, int64_t base, int64_t n, int dtype) {
     int64_t k = 0;
     for (; k + LANES <= n; k += LANES) { /* skip to the first vector holding it */
         const vf v = load_vec(x, base + k, dtype);
-        const vi hit = any_nan ? v != v : v == top;
-        int found = 0;
-        for (int64_t j = 0; j < LANES; j++) found |= hit[j];
-        if (found) break;
+        if (any_lane(any_nan ? v != v : v == top)) break;
     }
     for (; k < n; k++) {
         const float v = load(x, base + k, dtype);

@@ -1,7 +1,7 @@
 """Native CPU kernels: C sources next to this file, compiled once per CPU and loaded by ctypes.
 
 The CPU path needs a C compiler (``cc``/``gcc``, or ``$CC``), as torch's inductor does. Each
-source is built with ``-O3 -march=native -fopenmp`` (plus its own flags) into
+source is built with ``-O3 -march=native -fno-trapping-math -fopenmp`` (plus its own flags) into
 ``$KVBATCH_CACHE_DIR/kernels/`` (default ``~/.cache/kvbatch``), named by a hash of the source,
 the flags, the compiler and the CPU's feature flags, so that a cache shared between different
 machines never loads code built for another instruction set (the shared header
@@ -34,7 +34,11 @@ from pathlib import Path
 
 import torch
 
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -fno-trapping-math (values unchanged; torch builds with it too) lets GCC turn the branches of
+# exp's clamps into selects: without AVX-512's masks, the loops calling exp would not vectorise.
+CFLAGS = (
+    "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"
+)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # as the C files number them
 
 _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
