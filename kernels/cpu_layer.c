@@ -16,8 +16,8 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 enum { PARTS = 16 }; /* partial sums of RMSNorm's sum of squares */
-/* Floats per vector of the argmax: one AVX-512 register, else two AVX2 ones (wider vectors
- * than that make GCC assemble and compare them lane by lane). */
+/* Floats per vector of the argmax, one register's worth: 16 with AVX-512, else 8 (on AVX2,
+ * vectors wider than a register make GCC assemble and compare them lane by lane). */
 #ifdef __AVX512F__
 #define LANES 16
 #else
