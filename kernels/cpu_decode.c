@@ -161,6 +161,10 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
             rows_f32(keys, token_bytes, kv_dtype, n, head_dim, width, direct, &kbuf[0][0], krows);
             rows_f32(values, token_bytes, kv_dtype, n, head_dim, width, direct, &vbuf[0][0],
                      vrows);
+            /* The group's heads go phase by phase (all scores, then all softmaxes, then all
+             * P.V): within a head each phase waits on the one before, across heads they are
+             * independent work for the core to overlap. */
+            float tops[group];
             for (int64_t g = 0; g < group; g++) {
                 const int64_t h = kh * group + g;
                 /* scores */
@@ -191,6 +195,11 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
                     p[g][t] = hsum(dot);
                     top = p[g][t] > top ? p[g][t] : top;
                 }
+                tops[g] = top;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kh * group + g;
+                const float top = tops[g];
                 /* online softmax: rescale what came before only when the max moved */
                 float sum = run_sum[h];
                 if (top != run_max[h]) {
@@ -205,6 +214,9 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
                     sum += p[g][t];
                 }
                 run_sum[h] = sum;
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t h = kh * group + g;
                 /* acc += p . V with the head's vectors in registers: one independent
                  * accumulator per vector of the head */
                 vf a[width / VL];
