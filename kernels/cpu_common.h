@@ -7,6 +7,32 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Floats per vector, one register's worth: 16 with AVX-512, else 8. GCC splits wider vectors
+ * over registers for elementwise work but assembles their shuffles, compares and selects lane
+ * by lane (with 16 on AVX2 the kernels ran at half speed or worse). */
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligned loads */
+typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
+
+/* VL bf16 values from p on, as float32 (exact: a shift). */
+INLINE vf load_bf16(const void *p) {
+    const vu bits = __builtin_convertvector(*(const vh_u *)p, vu) << 16;
+    vf v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* VL fp16 values from p on, as float32 (exact). */
+INLINE vf load_f16(const void *p) { return __builtin_convertvector(*(const vhf_u *)p, vf); }
+
 /* exp(x), vectorisable (Cephes' polynomial, about 1 ulp): 0 below -87, x clamped at 88. */
 INLINE float exp_approx(float x) {
     const float lo = -87.0f, hi = 88.0f;

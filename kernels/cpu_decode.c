@@ -22,20 +22,6 @@
 #include "cpu_common.h"
 
 enum { KV_FLOAT32 = 0, KV_BFLOAT16 = 1, KV_FLOAT16 = 2 };
-/* Floats per vector: one AVX-512 register, else two (AVX2: GCC splits elementwise work over
- * registers, but lane shuffles wider than a register become scalar moves, so the sums below
- * shuffle 8-lane vectors only). */
-#ifdef __AVX512F__
-#define VL 16
-#else
-#define VL 8
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
-typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
@@ -86,13 +72,8 @@ INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, i
         rows[t] = dst;
         if (dim == width) { /* bf16 or fp16: float32 rows of whole vectors are direct */
             for (int64_t c = 0; c < width; c += VL) {
-                vf x;
-                if (kv_dtype == KV_BFLOAT16) {
-                    const vu bits = __builtin_convertvector(*(const vh_u *)(row + c * 2), vu) << 16;
-                    memcpy(&x, &bits, sizeof x);
-                } else {
-                    x = __builtin_convertvector(*(const vhf_u *)(row + c * 2), vf);
-                }
+                const char *at = row + c * 2;
+                const vf x = kv_dtype == KV_BFLOAT16 ? load_bf16(at) : load_f16(at);
                 memcpy(dst + c, &x, sizeof x);
             }
             continue;

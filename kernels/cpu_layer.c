@@ -16,13 +16,6 @@
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 enum { PARTS = 16 }; /* partial sums of RMSNorm's sum of squares */
-/* Floats per vector of the argmax, one register's worth: 16 with AVX-512, else 8 (on AVX2,
- * vectors wider than a register make GCC assemble and compare them lane by lane). */
-#ifdef __AVX512F__
-#define LANES 16
-#else
-#define LANES 8
-#endif
 
 INLINE float load(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)p)[i];
@@ -162,30 +155,21 @@ void silu_mul(const void *gate_up, void *out, int64_t rows, int64_t width, int d
     }
 }
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
-typedef float vf_u __attribute__((vector_size(LANES * 4), aligned(4)));
-typedef uint16_t vh_u __attribute__((vector_size(LANES * 2), aligned(2)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-typedef _Float16 vhf_u __attribute__((vector_size(LANES * 2), aligned(2)));
-
-/* LANES values from element i on, as float32, by whole-vector loads (not lane by lane). */
+/* VL values from element i on, as float32, by whole-vector loads (not lane by lane). */
 INLINE vf load_vec(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return *(const vf_u *)((const float *)p + i);
-    if (dtype == F16) return __builtin_convertvector(*(const vhf_u *)((const _Float16 *)p + i), vf);
-    const vu bits = __builtin_convertvector(*(const vh_u *)((const uint16_t *)p + i), vu) << 16;
-    vf v;
-    memcpy(&v, &bits, sizeof v);
-    return v;
+    if (dtype == BF16) return load_bf16((const uint16_t *)p + i);
+    return load_f16((const _Float16 *)p + i);
 }
 
 /* Whether any lane of a comparison's result is set. */
 INLINE int any_lane(vi hit) {
-    uint64_t words[LANES / 2];
+    uint64_t words[VL / 2];
     memcpy(words, &hit, sizeof hit);
     uint64_t found = 0;
-    for (int64_t j = 0; j < LANES / 2; j++) found |= words[j];
+    for (int64_t j = 0; j < VL / 2; j++) found |= words[j];
     return found != 0;
 }
 
@@ -201,19 +185,19 @@ INLINE vf select(vi mask, vf a, vf b) {
 }
 
 INLINE int64_t argmax_row(const void *x, int64_t base, int64_t n, int dtype) {
-    /* the max over vectors of LANES partial maxima, then its first index; NaN counts as the
+    /* the max over vectors of VL partial maxima, then its first index; NaN counts as the
      * largest value, as in torch.argmax */
     vf part = (vf){0} - INFINITY;
     vi nan = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
+    for (; i + VL <= n; i += VL) {
         const vf v = load_vec(x, base + i, dtype);
         part = select(v > part, v, part);
         nan |= v != v;
     }
     float top = -INFINITY;
     int any_nan = 0;
-    for (int64_t j = 0; j < LANES; j++) {
+    for (int64_t j = 0; j < VL; j++) {
         top = part[j] > top ? part[j] : top;
         any_nan |= nan[j];
     }
@@ -223,7 +207,7 @@ INLINE int64_t argmax_row(const void *x, int64_t base, int64_t n, int dtype) {
         any_nan |= v != v;
     }
     int64_t k = 0;
-    for (; k + LANES <= n; k += LANES) { /* skip to the first vector holding it */
+    for (; k + VL <= n; k += VL) { /* skip to the first vector holding it */
         const vf v = load_vec(x, base + k, dtype);
         if (any_lane(any_nan ? v != v : v == top)) break;
     }
