@@ -1,17 +1,36 @@
-"""Paged-KV LLM engine: continuous batching, chunked prefill, prefix caching, preemption."""
+"""Paged-KV LLM engine: continuous batching, chunked prefill, prefix caching, preemption.
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.sequence import RequestMetrics
+Exports resolve lazily: ``engine.config`` and ``engine.sampling_params`` are torch-free, and
+the job side imports them without loading torch.
+"""
 
-__all__ = [
-    "CompletionOutput",
-    "EngineConfig",
-    "EngineStats",
-    "LLMEngine",
-    "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names, for type checkers and readers
+    from engine.config import EngineConfig as EngineConfig
+    from engine.llm_engine import LLMEngine as LLMEngine
+    from engine.outputs import CompletionOutput as CompletionOutput
+    from engine.outputs import EngineStats as EngineStats
+    from engine.outputs import RequestOutput as RequestOutput
+    from engine.sampling_params import SamplingParams as SamplingParams
+    from engine.sequence import RequestMetrics as RequestMetrics
+
+_EXPORTS = {
+    "CompletionOutput": "engine.outputs",
+    "EngineConfig": "engine.config",
+    "EngineStats": "engine.outputs",
+    "LLMEngine": "engine.llm_engine",
+    "RequestMetrics": "engine.sequence",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

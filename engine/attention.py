@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import AttentionOps
+from kernels import Backend
 
 
 @dataclass(frozen=True)
@@ -23,20 +23,25 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     num_decode_tokens: int
     prefill_query_start_loc: torch.Tensor  # [B - num_decode + 1] int32, rebased to 0
-    # Decode rows sharing their first blocks, and how many (for cascade-capable ops only).
+    # Decode rows sharing their first blocks, and how many (for cascade backends only).
     decode_prefix: tuple[torch.Tensor, int] | None = None
+
+
+def softmax_scale(head_dim: int) -> float:
+    """The scale of the attention scores, ``1 / sqrt(head_dim)``."""
+    return head_dim**-0.5
 
 
 class PagedAttention(torch.nn.Module):
     """Writes the step's K/V into the block pool, then attends over each sequence's blocks."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: AttentionOps):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: Backend):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.ops = ops
+        self.scale = softmax_scale(head_dim)
+        self.backend = backend
 
     def forward(
         self,
@@ -47,15 +52,15 @@ class PagedAttention(torch.nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        self.backend.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
         cascade = {"prefix": meta.decode_prefix} if meta.decode_prefix is not None else {}
         if nd == q.shape[0]:
-            return self.ops.decode(
+            return self.backend.decode(
                 q, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale,
                 **cascade,
             )
-        prefill = self.ops.prefill(
+        prefill = self.backend.prefill(
             q[nd:],
             key_cache,
             value_cache,
@@ -66,7 +71,7 @@ class PagedAttention(torch.nn.Module):
         )
         if nd == 0:
             return prefill
-        decode = self.ops.decode(
+        decode = self.backend.decode(
             q[:nd], key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
             self.scale, **cascade,
         )

@@ -1,13 +1,19 @@
-"""Engine configuration (validated once, frozen) and the values discovered at load time."""
+"""Engine configuration (validated once, frozen) and the values discovered at load time.
+
+Torch-free on import, so that the worker's settings and ``kvbatch --help`` can derive their
+flags from :class:`EngineConfig` without loading torch; the ``resolve_*`` methods import it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # KV budget on the CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -15,56 +21,57 @@ DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    import torch
+
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _field(default: Any, help: str) -> Any:
+    # The help text is the field's documentation: `kvbatch worker --help` shows it.
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to build an engine.
+    """How to build an engine. Every field is documented by its ``help`` metadata (what
+    ``kvbatch worker --help`` prints) and can be set on a worker by flag or environment."""
 
-    Args:
-        model: a Hugging Face model directory, or ``smollm2-135m-instruct`` (the built-in default).
-        dtype: ``float32``, ``bfloat16`` or ``float16`` for weights, activations and the KV
-            cache, or ``auto``: bfloat16 on CUDA (float16 without bf16 support) and on CPUs that
-            multiply bf16 natively (AVX512-BF16 or AMX), float32 on other CPUs, where torch's
-            bf16 matmul runs about a hundred times slower than float32.
-        device: ``cpu``, ``cuda`` or ``auto`` (CUDA when available).
-        block_size: tokens per KV block; by default 16 on CUDA (the Triton kernels' tile) and 8
-            on the CPU, where the kernels run as fast with either and 8 halves the KV memory
-            lost to partly filled last blocks.
-        num_kv_blocks: size of the KV block pool; overrides the memory budget when set.
-        kv_cache_memory_bytes: KV budget in bytes (default 2 GiB on the CPU).
-        gpu_memory_utilization: on CUDA without an explicit budget, the fraction of the device
-            memory free after loading the model that the KV pool takes.
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: token budget of one engine step (prefill chunks + decodes).
-        max_model_len: longest prompt + output; defaults to the model's context length.
-        enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
-        enable_chunked_prefill: split prompts longer than the step budget over several steps.
-        attention_backend: ``auto`` (Triton on CUDA, ``cpu`` elsewhere), ``torch``, ``cpu``
-            or ``triton``.
-        seed: seed of the engine's global generator (requests may carry their own).
-    """
-
-    model: str = DEFAULT_MODEL
-    dtype: str = "float32"
-    device: str = "auto"
-    block_size: int | None = None
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
-    seed: int = 0
+    model: str = _field(DEFAULT_MODEL, "a Hugging Face model directory, or "
+                        f"{DEFAULT_MODEL} (the built-in default)")
+    dtype: str = _field(
+        "float32", "float32, bfloat16 or float16 for weights, activations and the KV cache, "
+        "or auto: bfloat16 on CUDA (float16 without bf16 support) and on CPUs that multiply "
+        "bf16 natively (AVX512-BF16 or AMX), float32 on other CPUs, where torch's bf16 "
+        "matmul runs about a hundred times slower than float32")
+    device: str = _field("auto", "cpu, cuda or auto (CUDA when available)")
+    block_size: int | None = _field(
+        None, "tokens per KV block; by default 16 on CUDA (the Triton kernels' tile) and 8 on "
+        "the CPU, where the kernels run as fast with either and 8 halves the KV memory lost "
+        "to partly filled last blocks")
+    num_kv_blocks: int | None = _field(
+        None, "size of the KV block pool; overrides the memory budget when set")
+    kv_cache_memory_bytes: int | None = _field(
+        None, "KV budget in bytes (default 2 GiB on the CPU)")
+    gpu_memory_utilization: float = _field(
+        0.9, "on CUDA without an explicit budget, the fraction of the device memory free "
+        "after loading the model that the KV pool takes")
+    max_num_seqs: int = _field(256, "most sequences running at once")
+    max_num_batched_tokens: int = _field(
+        2048, "token budget of one engine step (prefill chunks + decodes)")
+    max_model_len: int | None = _field(
+        None, "longest prompt + output; defaults to the model's context length")
+    enable_prefix_caching: bool = _field(
+        True, "reuse KV blocks of identical prompt prefixes across requests")
+    enable_chunked_prefill: bool = _field(
+        True, "split prompts longer than the step budget over several steps")
+    attention_backend: str = _field(
+        "auto", "auto (Triton on CUDA, cpu elsewhere), torch, cpu or triton")
+    seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}"
+                f"dtype must be one of {sorted(DTYPE_NAMES)} or 'auto', got {self.dtype!r}"
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
@@ -92,8 +99,10 @@ class EngineConfig:
             )
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
@@ -104,6 +113,8 @@ class EngineConfig:
         return 16 if device.type == "cuda" else 8
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():

@@ -58,10 +58,11 @@ class LLMEngine:
         self.tokenizer = loader.load_tokenizer(model_dir)
         max_model_len = _max_model_len(config, hf_config)
 
-        backend = resolve_backend(config.attention_backend, device)
+        # One backend object for the model's layers and the runner.
+        backend = get_ops(resolve_backend(config.attention_backend, device))
         torch.manual_seed(config.seed)
         with torch.device(device):
-            model = LlamaForCausalLM(hf_config, get_ops(backend), max_model_len)
+            model = LlamaForCausalLM(hf_config, backend, max_model_len)
         model.load_weights(loader.iter_safetensors(model_dir))
         model = model.to(dtype=dtype).eval()
 
@@ -86,7 +87,7 @@ class LLMEngine:
         self.info = RuntimeInfo(
             device=device,
             dtype=dtype,
-            attention_backend=backend,
+            attention_backend=backend.name,
             block_size=block_size,
             num_kv_blocks=num_blocks,
             kv_bytes_per_block=per_block,
@@ -97,7 +98,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.runner = ModelRunner(
-            model, kv_caches, block_size, self.info.eos_token_ids, config.seed
+            model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()

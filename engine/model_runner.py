@@ -12,33 +12,34 @@ from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampled, Sampler, SampleRow
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
-from kernels import native
+from kernels import Backend, native
 from kernels.cpu import shared_prefix
 
 
 class ModelRunner:
     """Owns the model, the KV cache tensor and the sampler.
 
-    ``kv_caches``: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``backend``: the one the model was built with. ``kv_caches``:
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
 
     def __init__(
         self,
         model: LlamaForCausalLM,
+        backend: Backend,
         kv_caches: torch.Tensor,
         block_size: int,
         eos_token_ids: frozenset[int],
         seed: int,
     ) -> None:
         self.model = model
+        self.backend = backend
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         # With the fused CPU layer ops, greedy batches take the C argmax too.
-        self.sampler = Sampler(seed, native.argmax) if model.norm.fused else Sampler(seed)
-        # Cascade-capable attention ops get the step's shared prefix, found once per step.
-        self.cascade = model.layers[0].self_attn.attn.ops.cascade
+        self.sampler = Sampler(seed, native.argmax) if backend.fused else Sampler(seed)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -47,12 +48,11 @@ class ModelRunner:
         Runs the decode op once over two sequences of the (empty) cache; it only reads. With
         the fused CPU layer ops, their C library is built too.
         """
-        if self.model.norm.fused:
+        if self.backend.fused:
             native.library("cpu_layer")
-        attn = self.model.layers[0].self_attn.attn
         num_seqs, num_blocks = 2, 2
         query = torch.zeros(
-            num_seqs, attn.num_heads, attn.head_dim, dtype=self.kv_caches.dtype,
+            num_seqs, self.model.num_heads, self.model.head_dim, dtype=self.kv_caches.dtype,
             device=self.device,
         )
         pool_blocks = self.kv_caches.shape[2]
@@ -61,7 +61,7 @@ class ModelRunner:
         seq_lens = torch.full((num_seqs,), num_blocks * self.block_size, dtype=torch.int32,
                               device=self.device)
         cache = self.kv_caches[0]
-        attn.ops.decode(query, cache[0], cache[1], tables, seq_lens, attn.scale)
+        self.backend.decode(query, cache[0], cache[1], tables, seq_lens, self.model.scale)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
@@ -137,7 +137,7 @@ class ModelRunner:
         nd = out.num_decodes
         dev = self.device
         decode_prefix = None
-        if self.cascade:
+        if self.backend.cascade:  # cascade backends get the step's shared prefix, found once
             rows, shared = shared_prefix(tables[:nd], starts[:nd] + 1, bs)
             decode_prefix = torch.from_numpy(rows).to(dev), shared
         meta = AttentionMetadata(

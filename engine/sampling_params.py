@@ -1,9 +1,15 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction.
+
+The one definition of a job's sampling fields: the engine takes it as is, and the job schema
+(``jobs.schemas.JobSpec.sampling``) uses it as a pydantic field type, so a value is checked
+where the job is submitted, with the same rules and messages. Torch-free.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 MAX_LOGPROBS = 20
 
@@ -30,6 +36,10 @@ class SamplingParams:
         logprobs: return the log-probabilities of the sampled token and of the top ``logprobs``
             tokens at each step (None = off).
     """
+
+    # Read by pydantic where this dataclass is a field type (the job schema): unknown fields
+    # are refused and inf/NaN are not JSON. Plain dict: no pydantic import here.
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid", "allow_inf_nan": False}
 
     n: int = 1
     temperature: float = 1.0

@@ -17,10 +17,10 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from jobs.constants import DEFAULT_MODEL
-from jobs.follow import Follower
 from jobs.rows import Row
 from jobs.schemas import JobInfo, JobResult, JobStatus
-from jobs.sdk import BatchCounts, BatchHandle, Client, JobHandle, env_settings, result_of
+from jobs.sdk import BatchCounts, BatchHandle, Client, JobHandle, result_of
+from jobs.settings import connection_settings
 from jobs.stats import Stats
 
 
@@ -30,7 +30,7 @@ class AsyncJobHandle:
     def __init__(self, client: AsyncClient, job_id: str) -> None:
         self.client = client
         self.id = job_id
-        self._sync = JobHandle(client.sync, job_id)
+        self._sync = JobHandle(client.jobs, job_id)
 
     def __repr__(self) -> str:
         return f"AsyncJobHandle({self.id!r})"
@@ -132,9 +132,11 @@ class AsyncClient:
 
     def __init__(self, redis_url: str | None = None, database_url: str | None = None, *,
                  key_prefix: str | None = None, model: str = DEFAULT_MODEL) -> None:
-        redis_url, database_url, key_prefix = env_settings(redis_url, database_url, key_prefix)
-        self.sync = Client(redis_url, database_url, key_prefix=key_prefix, model=model)
-        self.redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        conn = connection_settings(redis_url, database_url, key_prefix)
+        self.sync = Client(conn.redis_url, conn.database_url, key_prefix=conn.key_prefix,
+                           model=model)
+        self.jobs = self.sync.jobs  # what the sync twin's calls run on, in worker threads
+        self.redis = aioredis.Redis.from_url(conn.redis_url, decode_responses=True)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -218,10 +220,9 @@ class AsyncClient:
             poll_interval_s: how often SQL is read when no completion notice arrives.
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
-        jobs = self.sync.jobs
-        follower = Follower(jobs.store, job_ids, timeout_s, poll_interval_s, batch_id)
+        follower = self.jobs.follower(job_ids, timeout_s, poll_interval_s, batch_id)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(jobs.keys.done_channel())  # before the first read of SQL
+        await pubsub.subscribe(self.jobs.done_channel)  # before the first read of SQL
         try:
             while True:
                 for info in await asyncio.to_thread(follower.take):

@@ -141,7 +141,7 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
         kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
         whole = len(kinds) == len(batch.job_ids)
         with _progress(len(rows), tally.skipped, opts.progress) as bar:
-            for info in client.jobs.follow(list(kinds), batch_id=batch.id if whole else None):
+            for info in batch.jobs.follow(list(kinds), batch_id=batch.id if whole else None):
                 files.write(kinds[info.id], info)
                 tally.written += 1
                 tally.failed += info.status is not JobStatus.SUCCEEDED

@@ -1,4 +1,9 @@
-"""The producer side: submit jobs, read them back, cancel them, wait for them."""
+"""The producer side: submit jobs, read them back, cancel them, wait for them.
+
+:class:`JobClient` is the one object that holds a producer's connections (Redis, the key
+names, the SQL stores); the SDK's ``Client``, its handles and the command line call it, never
+the stores or queues behind it.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,19 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import Any
 
 import redis
 from sqlalchemy import Engine
 
-from jobs.constants import DEFAULT_KEY_PREFIX, Keys
-from jobs.db import DEFAULT_DATABASE_URL, as_engine
+from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL, Keys
+from jobs.db import as_engine
 from jobs.follow import Follower
 from jobs.queue import JobQueue, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
-from jobs.store import JobStore
+from jobs.stats import Stats, aggregate
+from jobs.store import JobReader, ProducerStore
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +43,19 @@ class JobClient:
         redis_client: redis.Redis | None = None,
         database: Engine | str = DEFAULT_DATABASE_URL,
         *,
-        redis_url: str = "redis://127.0.0.1:6379/0",
+        redis_url: str = DEFAULT_REDIS_URL,
         key_prefix: str = DEFAULT_KEY_PREFIX,
     ) -> None:
         self.redis = redis_client or redis.Redis.from_url(redis_url, decode_responses=True)
         self.keys = Keys(key_prefix)
-        self.store = JobStore(as_engine(database))
+        self.engine = as_engine(database)
+        self.producer = ProducerStore(self.engine)
+        self.reader = JobReader(self.engine)
+
+    def close(self) -> None:
+        """Release the Redis and database connections."""
+        self.redis.close()
+        self.engine.dispose()
 
     def submit(self, specs: Sequence[JobSpec]) -> list[str]:
         """Record ``specs`` as queued (one SQL transaction), then add them to their streams.
@@ -51,7 +66,7 @@ class JobClient:
         """
         for spec in specs:
             encode_job(spec)  # size check before anything is stored
-        self.store.insert_jobs(specs)
+        self.producer.insert_jobs(specs)
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)
@@ -87,25 +102,64 @@ class JobClient:
         if dups:
             dup = dups[0]
             raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
-        existing = {cid: job_id for job_id, cid, _ in self.store.batch_jobs(batch_id)
+        existing = {cid: job_id for job_id, cid, _ in self.reader.batch_jobs(batch_id)
                     if cid is not None}
         new = [s for s in specs if s.custom_id not in existing]
         for start in range(0, len(new), chunk_size):
             self.submit(new[start:start + chunk_size])
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
+    def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
+                        deadline: datetime | None = None) -> None:
+        """Set a batch's completion webhook and deadline (the batch must exist)."""
+        self.producer.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
+
     def get(self, job_id: str) -> JobInfo | None:
         """The stored job ``job_id`` (None if unknown)."""
-        return self.store.get(job_id)
+        return self.reader.get(job_id)
 
     def get_many(self, job_ids: Sequence[str]) -> list[JobInfo]:
         """The stored jobs among ``job_ids`` (unknown ids are left out), in no set order."""
-        return self.store.get_many(job_ids)
+        return self.reader.get_many(job_ids)
+
+    def batch_jobs(self, batch_id: str) -> list[tuple[str, str | None, JobStatus]]:
+        """(id, custom_id, status) of every job of ``batch_id``."""
+        return self.reader.batch_jobs(batch_id)
+
+    def count_by_status(self, batch_id: str | None = None) -> dict[JobStatus, int]:
+        """How many jobs (of ``batch_id``) are in each status; statuses without jobs are
+        absent."""
+        return self.reader.count_by_status(batch_id=batch_id)
+
+    def job_stats_rows(self, batch_id: str | None = None,
+                       since: datetime | timedelta | None = None) -> list[dict[str, Any]]:
+        """Per-job rows of the ``job_stats`` view (see ``JobReader.job_stats_rows``)."""
+        return self.reader.job_stats_rows(batch_id, since)
+
+    def stats(self, batch_id: str | None = None,
+              since: datetime | timedelta | None = None) -> Stats:
+        """Aggregate statistics of the jobs of ``batch_id`` and/or finished since ``since``."""
+        return aggregate(self.reader.job_stats_rows(batch_id, since))
+
+    def serves(self, model: str) -> bool:
+        """Whether a live worker serves ``model``."""
+        queue = JobQueue(self.redis, model, self.keys)
+        return queue.served_by_live_worker()
+
+    def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
+                 poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:
+        """The bookkeeping of following ``job_ids`` (see :meth:`follow`)."""
+        return Follower(self.reader, job_ids, timeout_s, poll_interval_s, batch_id)
+
+    @property
+    def done_channel(self) -> str:
+        """The pub/sub channel of completion notices."""
+        return self.keys.done_channel()
 
     def cancel(self, job_id: str) -> JobStatus | None:
         """Cancel a job: a queued one at once, a running one by its worker (which aborts it
         in the engine). Returns the status right after the request; None if unknown."""
-        status = self.store.request_cancel(job_id, time.time())
+        status = self.producer.request_cancel(job_id, time.time())
         if status is JobStatus.RUNNING:
             signal_cancel(self.redis, self.keys, job_id)
         elif status is JobStatus.CANCELLED:
@@ -118,7 +172,7 @@ class JobClient:
         with contextlib.suppress(TimeoutError):
             for _ in self.follow(job_ids, timeout_s, poll_interval_s):
                 pass
-        return self.store.get_many(list(job_ids))
+        return self.reader.get_many(list(job_ids))
 
     def follow(self, job_ids: Collection[str], timeout_s: float | None = None,
                poll_interval_s: float = 1.0, batch_id: str | None = None) -> Iterator[JobInfo]:
@@ -130,9 +184,9 @@ class JobClient:
             poll_interval_s: how often SQL is read when no completion notice arrives.
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
-        follower = Follower(self.store, job_ids, timeout_s, poll_interval_s, batch_id)
+        follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.keys.done_channel())  # before the first read of SQL
+        pubsub.subscribe(self.done_channel)  # before the first read of SQL
         try:
             while True:
                 yield from follower.take()

@@ -1,22 +1,24 @@
 """The producer subcommands of ``kvbatch``: ``submit``, ``status``, ``cancel``, ``stats``.
 
 Connection flags default to ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
-``KVBATCH_KEY_PREFIX``, like the SDK and the worker.
+``KVBATCH_KEY_PREFIX``, like the SDK and the worker. Errors are raised; the command line
+(``worker.cli``) turns them into one line and an exit status.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import sys
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from jobs.constants import DEFAULT_MODEL
-from jobs.sdk import Client
+from jobs.db import check_schema
+from jobs.schemas import JobStatus
+from jobs.sdk import BatchHandle, Client, JobHandle
+from jobs.settings import connection_settings
 from jobs.tables import format_stats, format_table
 
 EXIT_USAGE = 2
@@ -44,44 +46,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         help="POSTed the batch's completion event (by kvbatch control)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
     _connection_arguments(submit)
-    submit.set_defaults(func=_guarded(_submit))
+    submit.set_defaults(func=_submit)
 
     status = sub.add_parser("status", help="counts and statistics of a batch, or one job")
     status.add_argument("id", help="a batch id or a job id")
     _connection_arguments(status)
-    status.set_defaults(func=_guarded(_status))
+    status.set_defaults(func=_status)
 
     cancel = sub.add_parser("cancel", help="cancel a job, or every unfinished job of a batch")
     cancel.add_argument("id", help="a job id or a batch id")
     _connection_arguments(cancel)
-    cancel.set_defaults(func=_guarded(_cancel))
+    cancel.set_defaults(func=_cancel)
 
     stats = sub.add_parser("stats", help="aggregate statistics of finished jobs")
     stats.add_argument("--batch", help="only this batch")
     stats.add_argument("--since", type=_since,
                        help="only jobs finished since: a duration (30m, 2h, 1d) or ISO time")
     _connection_arguments(stats)
-    stats.set_defaults(func=_guarded(_stats))
-
-
-def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """The command, with unreachable services and unmigrated databases as one-line errors."""
-    @functools.wraps(command)
-    def run(args: argparse.Namespace) -> int:
-        import redis
-        from sqlalchemy.exc import OperationalError, ProgrammingError
-
-        try:
-            return command(args)
-        except (OperationalError, ProgrammingError) as exc:
-            print(f"kvbatch {args.command}: database error: {exc.orig}\n(is the database "
-                  f"reachable and migrated? kvbatch db upgrade --database-url …)",
-                  file=sys.stderr)
-        except redis.ConnectionError as exc:
-            print(f"kvbatch {args.command}: cannot reach Redis: {exc}", file=sys.stderr)
-        return 1
-
-    return run
+    stats.set_defaults(func=_stats)
 
 
 def _connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +74,11 @@ def _connection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
-    return Client(args.redis_url, args.database_url, key_prefix=args.key_prefix, model=model)
+    """A client on the command's services, once the database is known to be at this code's
+    schema (``jobs.db.SchemaNotReady`` names the fix otherwise; nothing is created)."""
+    conn = connection_settings(args.redis_url, args.database_url, args.key_prefix)
+    check_schema(conn.database_url)
+    return Client(conn.redis_url, conn.database_url, key_prefix=conn.key_prefix, model=model)
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -114,7 +100,7 @@ def _submit(args: argparse.Namespace) -> int:
     )
     print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
     with _client(args, args.model) as client:
-        if not _served(client, opts.model):
+        if not client.serves(opts.model):
             print(f"warning: no live worker serves {opts.model!r}; rows wait in the queue "
                   f"until one starts (kvbatch worker --model …)", file=sys.stderr)
         try:
@@ -133,26 +119,19 @@ def _submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _served(client: Client, model: str) -> bool:
-    from jobs.queue import JobQueue
-
-    redis, keys = client.jobs.redis, client.jobs.keys
-    models = redis.hgetall(keys.workers())
-    return any(models.get(w) == model for w in JobQueue(redis, model, keys).live_workers())
-
-
 def _status(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        counts = client.jobs.store.count_by_status(batch_id=args.id)
-        if counts:
-            rows = [(s.value, n) for s, n in sorted(counts.items())]
+        counts = BatchHandle(client.jobs, args.id).counts()
+        if counts.total:
+            rows = [(s.value, n) for s in sorted(JobStatus) if (n := getattr(counts, s.value))]
             print(f"batch {args.id}")
-            print(format_table(("status", "jobs"), [*rows, ("total", sum(counts.values()))]))
+            print(format_table(("status", "jobs"), [*rows, ("total", counts.total)]))
             print()
             print(format_stats(client.stats(batch_id=args.id)))
             return 0
-        info = client.jobs.get(args.id)
-        if info is None:
+        try:
+            info = client.job(args.id).info()
+        except KeyError:
             print(f"kvbatch status: no batch or job {args.id!r}", file=sys.stderr)
             return 1
         stats = info.stats
@@ -172,16 +151,17 @@ def _status(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     with _client(args) as client:
-        if client.jobs.store.count_by_status(batch_id=args.id):
-            n = client.batch(args.id).cancel()
+        batch = BatchHandle(client.jobs, args.id)
+        if batch.counts().total:
+            n = batch.cancel()
             print(f"batch {args.id}: {n} unfinished jobs cancelled or asked to stop")
             return 0
-        status = client.jobs.cancel(args.id)
+        status = JobHandle(client.jobs, args.id).cancel()
         if status is None:
             print(f"kvbatch cancel: no batch or job {args.id!r}", file=sys.stderr)
             return 1
         print(f"job {args.id}: {status.value}"
-              + (" (its worker is asked to stop it)" if status.value == "running" else ""))
+              + (" (its worker is asked to stop it)" if status is JobStatus.RUNNING else ""))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Every Redis key, stream, group and channel name in one place, plus the wire limits.
+"""Every Redis key, stream, group and channel name in one place, the wire limits, and the
+connection defaults every process (SDK, CLI, worker, control plane) falls back to.
 
 A deployment (or a test) picks a key prefix; all names derive from it through :class:`Keys`,
 so two prefixes never see each other's data.
@@ -8,9 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The served name of the default model: what ``kvbatch worker`` loads without ``--model``.
+from engine.config import DEFAULT_MODEL as DEFAULT_MODEL
+
 DEFAULT_KEY_PREFIX = "kvbatch"
-# The served name of the default model (what ``kvbatch worker`` loads without ``--model``).
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_DATABASE_URL = "sqlite:///kvbatch.db"
+# Deliveries of one job before it is dead-lettered (the workers' limit, the reaper's too).
+DEFAULT_MAX_DELIVERIES = 3
 CONSUMER_GROUP = "workers"
 # Largest JSON payload of one job on the wire (prompt, messages, parameters, metadata).
 MAX_PAYLOAD_BYTES = 1 << 20

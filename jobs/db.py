@@ -11,9 +11,10 @@ import importlib.util
 import os
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, make_url
 
-DEFAULT_DATABASE_URL = "sqlite:///kvbatch.db"
+from jobs.constants import DEFAULT_DATABASE_URL
+
 MIGRATIONS_ENV = "KVBATCH_MIGRATIONS_DIR"
 
 
@@ -86,7 +87,7 @@ def migrations_dir() -> Path:
     raise RuntimeError(f"cannot find the kvbatch migrations; set {MIGRATIONS_ENV}")
 
 
-def _alembic_config(engine: Engine):  # type: ignore[no-untyped-def]
+def _alembic_config(engine: Engine | None):  # type: ignore[no-untyped-def]
     from alembic.config import Config
 
     cfg = Config()
@@ -109,6 +110,45 @@ def downgrade(url_or_engine: str | Engine, revision: str = "base") -> None:
 
     engine = as_engine(url_or_engine)
     command.downgrade(_alembic_config(engine), revision)
+
+
+class SchemaNotReady(RuntimeError):
+    """The database is missing, unmigrated or at another revision than this code's."""
+
+
+def head_revision() -> str | None:
+    """The newest migration's revision: what this code expects the database to be at."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(_alembic_config(None)).get_current_head()
+
+
+def check_schema(url_or_engine: str | Engine) -> None:
+    """Raise :class:`SchemaNotReady` (its message names the fix) unless the database is at
+    :func:`head_revision`. A SQLite file that does not exist is reported without being
+    created."""
+    engine = as_engine(url_or_engine)
+    fix = f"run: kvbatch db upgrade --database-url {engine.url.render_as_string()}"
+    if not database_exists(engine.url.render_as_string(hide_password=False)):
+        raise SchemaNotReady(f"database {engine.url.database} does not exist; {fix}")
+    current, head = current_revision(engine), head_revision()
+    if current != head:
+        state = "is not migrated" if current is None else f"is at revision {current}"
+        raise SchemaNotReady(f"database {engine.url!r} {state}, this kvbatch needs {head}; "
+                             f"{fix}")
+
+
+def database_exists(url: str) -> bool:
+    """False only for a SQLite file that does not exist (checking creates nothing)."""
+    path = _sqlite_file(url)
+    return path is None or path.exists()
+
+
+def _sqlite_file(url: str) -> Path | None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(parsed.database)
 
 
 def current_revision(url_or_engine: str | Engine) -> str | None:

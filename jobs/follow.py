@@ -15,7 +15,7 @@ from collections.abc import Collection
 from typing import Any
 
 from jobs.schemas import JobInfo
-from jobs.store import JobStore
+from jobs.store import JobReader
 
 
 class Follower:
@@ -30,7 +30,7 @@ class Follower:
             batch's count of terminal jobs first and reads ids only when they disagree.
     """
 
-    def __init__(self, store: JobStore, job_ids: Collection[str], timeout_s: float | None,
+    def __init__(self, store: JobReader, job_ids: Collection[str], timeout_s: float | None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> None:
         self.store = store
         self.pending = set(job_ids)

@@ -1,6 +1,8 @@
 """SQL tables: ``batches``, ``jobs`` (request, status, result) and ``job_metrics`` (one row per
 terminal job). The Alembic migrations in ``migrations/`` create them, and the ``job_stats`` view
-over them; this module is their Python mirror and must match the latest migration.
+over them; this module is their Python mirror and must match the latest migration (a test
+compares them). The status checks derive from ``JobStatus``/``BatchStatus`` and the
+``job_metrics`` columns from ``JobStats``: the contract is declared once, in ``jobs.schemas``.
 """
 
 from __future__ import annotations
@@ -13,19 +15,24 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Column,
     DateTime,
     Float,
     ForeignKey,
     Index,
     Integer,
     String,
+    Table,
     Text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-STATUS_VALUES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
-BATCH_IN_PROGRESS, BATCH_COMPLETED, BATCH_EXPIRED = "in_progress", "completed", "expired"
-BATCH_STATUS_VALUES = (BATCH_IN_PROGRESS, BATCH_COMPLETED, BATCH_EXPIRED)
+from jobs.schemas import BatchStatus, JobStats, JobStatus, is_bytes
+
+
+def status_check(column: str, statuses: type[JobStatus] | type[BatchStatus]) -> str:
+    """The SQL CHECK that ``column`` holds one of ``statuses``."""
+    return f"{column} IN ({', '.join(repr(s.value) for s in statuses)})"
 
 
 class Base(DeclarativeBase):
@@ -45,8 +52,8 @@ class Batch(Base):
     # Lifecycle, driven by the control plane (worker/control/): in_progress -> completed (every
     # job terminal) or expired (deadline passed), set once; then the completion event, the
     # webhook (retried with backoff) and the optional results export.
-    status: Mapped[str] = mapped_column(String(16), default="in_progress",
-                                        server_default="in_progress")
+    status: Mapped[str] = mapped_column(String(16), default=BatchStatus.IN_PROGRESS.value,
+                                        server_default=BatchStatus.IN_PROGRESS.value)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -59,10 +66,7 @@ class Batch(Base):
 class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
-        CheckConstraint(
-            "status IN ('queued', 'running', 'succeeded', 'failed', 'cancelled', 'expired')",
-            name="ck_jobs_status",
-        ),
+        CheckConstraint(status_check("status", JobStatus), name="ck_jobs_status"),
         Index("ix_jobs_status_model", "status", "model"),
         Index("ix_jobs_batch_status", "batch_id", "status"),
         Index("ix_jobs_created_at", "created_at"),
@@ -97,22 +101,28 @@ class Job(Base):
     choices: Mapped[Any] = mapped_column(JSON)
 
 
+def _stats_columns() -> list[Column[Any]]:
+    """One column per ``JobStats`` field: durations are nullable floats, counts integers that
+    default to 0 (64-bit for byte counts)."""
+    columns: list[Column[Any]] = []
+    for name, field in JobStats.model_fields.items():
+        if field.annotation is int:
+            kind = BigInteger if is_bytes(name) else Integer
+            columns.append(Column(name, kind, nullable=False, default=0, server_default="0"))
+        else:
+            columns.append(Column(name, Float))
+    return columns
+
+
+job_metrics = Table(
+    "job_metrics", Base.metadata,
+    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    *_stats_columns(),
+)
+
+
 class JobMetrics(Base):
-    """Exactly one row per terminal job (the primary key is the job id)."""
+    """Exactly one row per terminal job (the primary key is the job id); its columns are
+    ``JobStats``' fields."""
 
-    __tablename__ = "job_metrics"
-
-    job_id: Mapped[str] = mapped_column(
-        String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
-    )
-    queue_wait_s: Mapped[float | None] = mapped_column(Float)
-    ttft_s: Mapped[float | None] = mapped_column(Float)
-    tpot_s: Mapped[float | None] = mapped_column(Float)
-    e2e_s: Mapped[float | None] = mapped_column(Float)
-    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    cached_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    generated_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    peak_kv_blocks: Mapped[int] = mapped_column(Integer, default=0)
-    peak_kv_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
-    preemptions: Mapped[int] = mapped_column(Integer, default=0)
-
+    __table__ = job_metrics

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from jobs.queue import JobQueue
 from jobs.schemas import JobStatus
-from jobs.store import JobStore
+from jobs.store import MaintenanceStore
 
 log = logging.getLogger(__name__)
+PAGE_SIZE = 1000
 
 
 @dataclass(frozen=True)
@@ -22,19 +23,23 @@ class ReconcileReport:
     requeued: list[str]
 
 
-def reconcile(store: JobStore, queue: JobQueue, grace_s: float,
+def reconcile(store: MaintenanceStore, queue: JobQueue, grace_s: float,
               now_s: float | None = None) -> ReconcileReport:
     """One pass for ``queue.model``. Jobs created less than ``grace_s`` ago (by the database's
     clock) are left alone: their producer may not have reached its XADD yet. Active jobs are
     read one page at a time, so a large backlog never sits in memory as rows."""
     now_s = time.time() if now_s is None else now_s
-    expired = store.expire_overdue(queue.model, now_s)
+    expired: list[str] = []
+    while page := store.expire_past_deadline(now_s, model=queue.model, limit=PAGE_SIZE):
+        expired += [job_id for job_id, _ in page]
+        if len(page) < PAGE_SIZE:
+            break
     if expired:
         queue.publish_done((job_id, JobStatus.EXPIRED.value) for job_id in expired)
     in_stream: set[str] | None = None
     live: set[str] = set()
     requeued: list[str] = []
-    for page in store.active_jobs(queue.model, older_than_s=grace_s):
+    for page in store.active_jobs(queue.model, older_than_s=grace_s, page_size=PAGE_SIZE):
         if in_stream is None:  # only read Redis when SQL has candidates
             in_stream, live = queue.job_ids_in_stream(), queue.live_workers()
         missing = [

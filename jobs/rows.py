@@ -15,15 +15,16 @@ output shape (``{"id", "custom_id", "response": {"status_code", "request_id", "b
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from jobs.schemas import Choice, JobInfo, JobStatus, Sampling
+from engine.sampling_params import SamplingParams
+from jobs.schemas import Choice, JobInfo, JobStatus
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SAMPLING_FIELDS = frozenset(Sampling.model_fields)
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 # OpenAI body fields with the same meaning here; "logprobs"/"top_logprobs" are mapped below.
 OPENAI_SAMPLING = frozenset({"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
                              "frequency_penalty", "max_tokens"})

@@ -1,7 +1,11 @@
 """The job contract shared by producers (SDK, CLI) and workers: pydantic v2 models, JSON only.
 
 A job travels as the JSON of :class:`JobSpec` in a Redis stream entry and is stored in SQL;
-results and statistics come back as :class:`JobResult` and :class:`JobStats`.
+results and statistics come back as :class:`JobResult` and :class:`JobStats`, and a worker
+reports a job's end as an :class:`Outcome`. Each contract is declared here once: the sampling
+fields are the engine's own ``SamplingParams`` (torch-free), the SQL tables derive their status
+checks and the per-job stats columns from :class:`JobStatus` and :class:`JobStats`, and the
+CLI's job table its columns.
 """
 
 from __future__ import annotations
@@ -9,12 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
@@ -39,6 +45,15 @@ TERMINAL_STATUSES = frozenset(
 ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
 
 
+class BatchStatus(StrEnum):
+    """A batch's lifecycle: ``in_progress`` until every job is terminal (``completed``) or its
+    deadline passes (``expired``); set once."""
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+
+
 class _Strict(BaseModel):
     # No inf/NaN: they are not JSON, and PostgreSQL's json type refuses them.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -47,27 +62,6 @@ class _Strict(BaseModel):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool"]
     content: str
-
-
-class Sampling(_Strict):
-    """The engine's ``SamplingParams`` fields. Types are checked here; value ranges are checked
-    by the engine's ``SamplingParams`` on the worker, the one place that defines them."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: int | None = None
 
 
 def new_job_id() -> str:
@@ -84,7 +78,7 @@ class JobSpec(_Strict):
         model: the served model name; workers only run jobs of their own model.
         prompt: a plain-text prompt; exactly one of ``prompt`` and ``messages``.
         messages: chat messages, rendered with the model's chat template.
-        sampling: sampling parameters, as the engine's ``SamplingParams``.
+        sampling: the engine's ``SamplingParams``, validated here with its own rules.
         priority: lower values are scheduled first (the engine's convention).
         metadata: free-form JSON kept with the job.
         deadline: the job expires, unrun, if not finished by then (a timezone-aware time).
@@ -97,7 +91,7 @@ class JobSpec(_Strict):
     model: str = Field(min_length=1, max_length=255)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    sampling: Sampling = Sampling()
+    sampling: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # the SQL column is a 32-bit integer
     metadata: dict[str, Any] = Field(default_factory=dict)
     deadline: datetime | None = None
@@ -207,21 +201,49 @@ class JobResult(BaseModel):
     choices: list[Choice] = Field(default_factory=list)
 
 
-class JobStats(BaseModel):
-    """Latency and memory of one job. Times are seconds measured from submission (vLLM's
-    "arrival"): queue_wait until first scheduled, ttft until the first token, e2e until done;
-    tpot is the mean time between output tokens."""
+class Bytes:
+    """Marks a :class:`JobStats` field that counts bytes: a 64-bit SQL column, shown in binary
+    units by the command line."""
 
-    queue_wait_s: float | None = None
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-    e2e_s: float | None = None
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    generated_tokens: int = 0
-    peak_kv_blocks: int = 0
-    peak_kv_bytes: int = 0
-    preemptions: int = 0
+
+class JobStats(BaseModel):
+    """Latency and memory of one job: the one declaration of the per-job stats row.
+
+    The ``job_metrics`` table (``jobs.models``), the stats query behind ``Client.stats`` and the
+    CLI's job table derive their columns from these fields (a field's ``title`` is its CLI
+    column heading); a parity test holds the migrations and the ``job_stats`` view to them.
+    Times are seconds measured from submission (vLLM's "arrival"): queue_wait until first
+    scheduled, ttft until the first token, e2e until done; tpot is the mean time between output
+    tokens.
+    """
+
+    queue_wait_s: float | None = Field(None, title="wait s")
+    ttft_s: float | None = Field(None, title="ttft s")
+    tpot_s: float | None = Field(None, title="tpot s")
+    e2e_s: float | None = Field(None, title="e2e s")
+    prompt_tokens: int = Field(0, title="prompt")
+    cached_prompt_tokens: int = Field(0, title="cached")
+    generated_tokens: int = Field(0, title="generated")
+    peak_kv_blocks: int = Field(0, title="KV blocks")
+    peak_kv_bytes: Annotated[int, Bytes] = Field(0, title="peak KV")
+    preemptions: int = Field(0, title="preempted")
+
+
+def is_bytes(name: str) -> bool:
+    """Whether the :class:`JobStats` field ``name`` counts bytes."""
+    return Bytes in JobStats.model_fields[name].metadata
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A job's terminal state as a worker (or the control plane) reports it to the store."""
+
+    job_id: str
+    status: JobStatus
+    finished_at: float
+    error: str | None = None
+    result: JobResult | None = None
+    stats: JobStats | None = None
 
 
 class JobInfo(BaseModel):

@@ -18,7 +18,6 @@ Everything is validated (pydantic) before anything is enqueued. The async twin i
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -28,13 +27,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobs.client import JobClient
-from jobs.constants import DEFAULT_KEY_PREFIX, DEFAULT_MODEL
-from jobs.db import DEFAULT_DATABASE_URL
+from jobs.constants import DEFAULT_MODEL
 from jobs.rows import Row, RowKind, parse_row
 from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus
-from jobs.stats import Stats, query_stats
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from jobs.settings import connection_settings
+from jobs.stats import Stats
 
 
 class JobFailed(Exception):
@@ -70,7 +67,7 @@ class BatchCounts:
 
     @classmethod
     def of(cls, counts: Mapping[JobStatus, int]) -> BatchCounts:
-        """From ``JobStore.count_by_status`` (statuses without jobs are absent there)."""
+        """From ``JobReader.count_by_status`` (statuses without jobs are absent there)."""
         return cls(**{s.value: n for s, n in counts.items()})
 
     @property
@@ -93,20 +90,11 @@ def result_of(info: JobInfo) -> JobResult:
     return info.result
 
 
-def env_settings(redis_url: str | None, database_url: str | None,
-                 key_prefix: str | None) -> tuple[str, str, str]:
-    """Explicit arguments, else ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
-    ``KVBATCH_KEY_PREFIX``, else the defaults (the worker reads the same variables)."""
-    return (redis_url or os.environ.get("KVBATCH_REDIS_URL") or DEFAULT_REDIS_URL,
-            database_url or os.environ.get("KVBATCH_DATABASE_URL") or DEFAULT_DATABASE_URL,
-            key_prefix or os.environ.get("KVBATCH_KEY_PREFIX") or DEFAULT_KEY_PREFIX)
-
-
 class JobHandle:
     """A submitted job. Cheap to create: it holds the id and reads state when asked."""
 
-    def __init__(self, client: Client, job_id: str) -> None:
-        self.client = client
+    def __init__(self, jobs: JobClient, job_id: str) -> None:
+        self.jobs = jobs
         self.id = job_id
 
     def __repr__(self) -> str:
@@ -114,7 +102,7 @@ class JobHandle:
 
     def info(self) -> JobInfo:
         """The stored job (status, result, statistics)."""
-        info = self.client.jobs.get(self.id)
+        info = self.jobs.get(self.id)
         if info is None:
             raise KeyError(f"unknown job {self.id!r}")
         return info
@@ -129,7 +117,7 @@ class JobHandle:
         Args:
             timeout_s: raise ``TimeoutError`` after this long (None: wait forever).
         """
-        return next(self.client.jobs.follow([self.id], timeout_s))
+        return next(self.jobs.follow([self.id], timeout_s))
 
     def result(self, timeout_s: float | None = None) -> JobResult:
         """Wait for the job and return its result.
@@ -145,15 +133,15 @@ class JobHandle:
     def cancel(self) -> JobStatus | None:
         """Cancel the job: a queued one at once, a running one by its worker. Returns the
         status right after the request (None for an unknown job)."""
-        return self.client.jobs.cancel(self.id)
+        return self.jobs.cancel(self.id)
 
 
 class BatchHandle:
     """A submitted batch: live counts, results in completion order, cancel."""
 
-    def __init__(self, client: Client, batch_id: str,
+    def __init__(self, jobs: JobClient, batch_id: str,
                  job_ids: Mapping[str, str] | None = None) -> None:
-        self.client = client
+        self.jobs = jobs
         self.id = batch_id
         self._job_ids = dict(job_ids) if job_ids is not None else None
 
@@ -165,12 +153,12 @@ class BatchHandle:
         """``custom_id`` -> job id of every row."""
         if self._job_ids is None:
             self._job_ids = {cid or job_id: job_id for job_id, cid, _
-                             in self.client.jobs.store.batch_jobs(self.id)}
+                             in self.jobs.batch_jobs(self.id)}
         return self._job_ids
 
     def counts(self) -> BatchCounts:
         """How many of the batch's jobs are in each status, now."""
-        return BatchCounts.of(self.client.jobs.store.count_by_status(batch_id=self.id))
+        return BatchCounts.of(self.jobs.count_by_status(batch_id=self.id))
 
     def results(self, timeout_s: float | None = None,
                 poll_interval_s: float = 1.0) -> Iterator[JobInfo]:
@@ -181,8 +169,8 @@ class BatchHandle:
             timeout_s: raise ``TimeoutError`` if the batch is not done by then.
             poll_interval_s: how often SQL is read when no completion notice arrives.
         """
-        return self.client.jobs.follow(list(self.job_ids.values()), timeout_s,
-                                       poll_interval_s, batch_id=self.id)
+        return self.jobs.follow(list(self.job_ids.values()), timeout_s, poll_interval_s,
+                                batch_id=self.id)
 
     def wait(self, timeout_s: float | None = None) -> BatchCounts:
         """Block until every job of the batch is terminal; return the final counts.
@@ -196,13 +184,13 @@ class BatchHandle:
 
     def cancel(self) -> int:
         """Cancel every unfinished job of the batch; return how many were asked to stop."""
-        active = [job_id for job_id, _, status in self.client.jobs.store.batch_jobs(self.id)
+        active = [job_id for job_id, _, status in self.jobs.batch_jobs(self.id)
                   if not status.terminal]
-        return sum(self.client.jobs.cancel(job_id) is not None for job_id in active)
+        return sum(self.jobs.cancel(job_id) is not None for job_id in active)
 
     def stats(self) -> Stats:
         """Aggregate statistics of the batch's finished jobs (from SQL)."""
-        return self.client.stats(batch_id=self.id)
+        return self.jobs.stats(batch_id=self.id)
 
 
 class Client:
@@ -219,9 +207,9 @@ class Client:
 
     def __init__(self, redis_url: str | None = None, database_url: str | None = None, *,
                  key_prefix: str | None = None, model: str = DEFAULT_MODEL) -> None:
-        redis_url, database_url, key_prefix = env_settings(redis_url, database_url, key_prefix)
-        self.jobs = JobClient(database=database_url, redis_url=redis_url,
-                              key_prefix=key_prefix)
+        conn = connection_settings(redis_url, database_url, key_prefix)
+        self.jobs = JobClient(database=conn.database_url, redis_url=conn.redis_url,
+                              key_prefix=conn.key_prefix)
         self.model = model
 
     def __enter__(self) -> Client:
@@ -232,8 +220,7 @@ class Client:
 
     def close(self) -> None:
         """Release the Redis and database connections."""
-        self.jobs.redis.close()
-        self.jobs.store.engine.dispose()
+        self.jobs.close()
 
     def submit(self, prompt: str | None = None, *,
                messages: list[dict[str, Any]] | None = None, model: str | None = None,
@@ -254,7 +241,8 @@ class Client:
             **sampling: any other ``SamplingParams`` field (``top_p``, ``stop``, ``seed``, …).
 
         Raises:
-            pydantic.ValidationError: invalid arguments; nothing was enqueued.
+            pydantic.ValidationError: invalid arguments (a sampling value out of range
+                included: the message names the field); nothing was stored or enqueued.
         """
         sampling = _given(sampling, max_tokens=max_tokens, temperature=temperature)
         spec = JobSpec.model_validate({
@@ -262,7 +250,7 @@ class Client:
             "sampling": sampling, "priority": priority, "metadata": metadata or {},
             "deadline": deadline})
         self.jobs.submit([spec])
-        return JobHandle(self, spec.id)
+        return JobHandle(self.jobs, spec.id)
 
     def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row], *,
                      batch_id: str | None = None, model: str | None = None,
@@ -307,8 +295,8 @@ class Client:
                 raise ValueError(f"row {index}: {exc}") from exc
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size)
         if specs and (webhook_url is not None or deadline is not None):
-            self.jobs.store.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
-        return BatchHandle(self, batch_id, job_ids)
+            self.jobs.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
+        return BatchHandle(self.jobs, batch_id, job_ids)
 
     def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (``KeyError`` if unknown).
@@ -316,7 +304,7 @@ class Client:
         Args:
             job_id: the job's id.
         """
-        handle = JobHandle(self, job_id)
+        handle = JobHandle(self.jobs, job_id)
         handle.info()
         return handle
 
@@ -326,7 +314,7 @@ class Client:
         Args:
             batch_id: the batch's id.
         """
-        handle = BatchHandle(self, batch_id)
+        handle = BatchHandle(self.jobs, batch_id)
         if not handle.job_ids:
             raise KeyError(f"unknown batch {batch_id!r}")
         return handle
@@ -340,7 +328,15 @@ class Client:
             batch_id: only this batch.
             since: only jobs finished since then (a ``timedelta`` counts back from now).
         """
-        return query_stats(self.jobs.store.engine, batch_id=batch_id, since=since)
+        return self.jobs.stats(batch_id=batch_id, since=since)
+
+    def serves(self, model: str | None = None) -> bool:
+        """Whether a live worker serves ``model`` (default: the client's).
+
+        Args:
+            model: served model name.
+        """
+        return self.jobs.serves(model or self.model)
 
 
 def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str | None,

@@ -1,25 +1,15 @@
-"""Aggregate statistics of finished jobs, read from the ``job_stats`` view.
+"""Aggregate statistics of finished jobs, over rows of the ``job_stats`` view.
 
-The same figures on PostgreSQL and SQLite: rows are read with one query and aggregated here
-(percentiles included), so no dialect-specific SQL is needed.
+The same figures on PostgreSQL and SQLite: rows are read with one query
+(``JobReader.job_stats_rows``) and aggregated here (percentiles included), so no
+dialect-specific SQL is needed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
-
-from sqlalchemy import DateTime, Engine, bindparam, text
-
-JOB_STATS_QUERY = """
-SELECT s.job_id, j.custom_id, s.status, s.queue_wait_s, s.ttft_s, s.tpot_s, s.e2e_s,
-       s.prompt_tokens, s.cached_prompt_tokens, s.generated_tokens, s.peak_kv_blocks,
-       s.peak_kv_bytes, s.preemptions, s.worker_id, j.created_at, s.finished_at
-FROM job_stats s JOIN jobs j ON j.id = s.job_id
-WHERE {where}
-ORDER BY s.finished_at, s.job_id
-"""
 
 
 @dataclass(frozen=True)
@@ -57,35 +47,8 @@ class Stats:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def job_stats_rows(engine: Engine, batch_id: str | None = None,
-                   since: datetime | timedelta | None = None) -> list[dict[str, Any]]:
-    """Rows of the ``job_stats`` view (plus ``custom_id`` and ``created_at``), by finish time.
-
-    Args:
-        engine: the database.
-        batch_id: only this batch's jobs.
-        since: only jobs finished after this time (a ``timedelta`` counts back from now).
-    """
-    where: list[str] = ["1 = 1"]
-    params: dict[str, Any] = {}
-    if batch_id is not None:
-        where.append("s.batch_id = :batch_id")
-        params["batch_id"] = batch_id
-    if since is not None:
-        if isinstance(since, timedelta):
-            since = datetime.now(UTC) - since
-        where.append("s.finished_at >= :since")
-        params["since"] = since if since.tzinfo else since.replace(tzinfo=UTC)
-    query = text(JOB_STATS_QUERY.format(where=" AND ".join(where))).columns(
-        created_at=DateTime(timezone=True), finished_at=DateTime(timezone=True))
-    if since is not None:  # bound as the column type, so SQLite compares like with like
-        query = query.bindparams(bindparam("since", type_=DateTime(timezone=True)))
-    with engine.connect() as conn:
-        return [dict(r._mapping) for r in conn.execute(query, params)]
-
-
 def aggregate(rows: list[dict[str, Any]]) -> Stats:
-    """:class:`Stats` of ``job_stats`` rows (as :func:`job_stats_rows` returns them)."""
+    """:class:`Stats` of ``job_stats`` rows (as ``JobReader.job_stats_rows`` returns them)."""
     by_status: dict[str, int] = {}
     for r in rows:
         by_status[r["status"]] = by_status.get(r["status"], 0) + 1
@@ -108,12 +71,6 @@ def aggregate(rows: list[dict[str, Any]]) -> Stats:
         ttft_s=percentiles([r["ttft_s"] for r in ok]),
         queue_wait_s=percentiles([r["queue_wait_s"] for r in ok]),
     )
-
-
-def query_stats(engine: Engine, batch_id: str | None = None,
-                since: datetime | timedelta | None = None) -> Stats:
-    """:class:`Stats` of the jobs of ``batch_id`` and/or those finished since ``since``."""
-    return aggregate(job_stats_rows(engine, batch_id, since))
 
 
 def percentiles(values: list[float | None], qs: tuple[int, ...] = (50, 90, 99),

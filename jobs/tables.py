@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jobs.schemas import JobStats, is_bytes
+
 if TYPE_CHECKING:
     from jobs.stats import Stats
 
@@ -64,14 +66,13 @@ def format_stats(stats: Stats) -> str:
     return format_table(("metric", "value"), rows)
 
 
-JOB_COLUMNS = (("custom_id", "custom_id"), ("status", "status"), ("queue_wait_s", "wait s"),
-               ("ttft_s", "ttft s"), ("e2e_s", "e2e s"), ("prompt_tokens", "prompt"),
-               ("cached_prompt_tokens", "cached"), ("generated_tokens", "generated"),
-               ("peak_kv_blocks", "KV blocks"), ("peak_kv_bytes", "peak KV"))
+# (row key, heading): the job, then every JobStats field under its title.
+JOB_COLUMNS = (("custom_id", "custom_id"), ("status", "status"),
+               *((name, field.title or name) for name, field in JobStats.model_fields.items()))
 
 
 def format_job_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """Per-job rows of the ``job_stats`` view (see ``jobs.stats.job_stats_rows``)."""
-    cells = [[human_bytes(r[k]) if k == "peak_kv_bytes" else r[k] for k, _ in JOB_COLUMNS]
-             for r in rows]
+    """Per-job rows of the ``job_stats`` view (see ``JobReader.job_stats_rows``)."""
+    cells = [[human_bytes(r[k]) if k in JobStats.model_fields and is_bytes(k) else r[k]
+              for k, _ in JOB_COLUMNS] for r in rows]
     return format_table([h for _, h in JOB_COLUMNS], cells)

@@ -22,11 +22,19 @@ BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
 
 
 @dataclass(frozen=True)
-class AttentionOps:
-    """The three ops a paged-attention layer calls, with the signatures of ``reference``.
+class Backend:
+    """One attention backend: what the model's layers and the model runner call and ask.
 
-    ``cascade``: ``decode`` also takes ``prefix=(rows, num_blocks)``, the decode rows that
-    share their first blocks (``kernels.cpu.shared_prefix``), and reads those blocks once.
+    Built once per engine (``get_ops(resolve_backend(...))``) and handed to both the model and
+    the runner. Fields:
+
+    - ``name``: the resolved backend (``torch``, ``cpu`` or ``triton``).
+    - ``reshape_and_cache``, ``decode``, ``prefill``: the three ops a paged-attention layer
+      calls, with the signatures of ``reference``.
+    - ``cascade``: ``decode`` also takes ``prefix=(rows, num_blocks)``, the decode rows that
+      share their first blocks (``kernels.cpu.shared_prefix``), and reads those blocks once.
+    - ``fused``: the fused C layer ops of ``kernels.native`` (``rms_norm``, ``rotary_``,
+      ``silu_mul``) come with it, and greedy sampling takes the C ``argmax``.
     """
 
     name: str
@@ -34,6 +42,7 @@ class AttentionOps:
     decode: Callable[..., torch.Tensor]
     prefill: Callable[..., torch.Tensor]
     cascade: bool = False
+    fused: bool = False
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -46,10 +55,10 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return choice
 
 
-def get_ops(backend: str) -> AttentionOps:
-    """The ops of a resolved backend (``torch``, ``cpu`` or ``triton``)."""
+def get_ops(backend: str) -> Backend:
+    """The ``Backend`` of a resolved backend name (``torch``, ``cpu`` or ``triton``)."""
     if backend == "torch":
-        return AttentionOps(
+        return Backend(
             name="torch",
             reshape_and_cache=reference.reshape_and_cache,
             decode=reference.paged_attention_decode,
@@ -58,12 +67,13 @@ def get_ops(backend: str) -> AttentionOps:
     if backend == "cpu":
         from kernels import cpu
 
-        return AttentionOps(
+        return Backend(
             name="cpu",
             reshape_and_cache=cpu.reshape_and_cache,
             decode=cpu.paged_attention_decode,
             prefill=cpu.paged_attention_prefill,
             cascade=True,
+            fused=True,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).
@@ -71,7 +81,7 @@ def get_ops(backend: str) -> AttentionOps:
         from kernels.paged_prefill import paged_attention_prefill
         from kernels.reshape_and_cache import reshape_and_cache
 
-        return AttentionOps(
+        return Backend(
             name="triton",
             reshape_and_cache=reshape_and_cache,
             decode=paged_attention_decode,

@@ -40,6 +40,7 @@ CFLAGS = (
     "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"
 )
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # as the C files number them
+CACHE_ENV = "KVBATCH_CACHE_DIR"
 
 _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -57,6 +58,12 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
         "argmax_rows": [_ptr, _ptr, _i64, _i64, _i32, _i32],
     }),
 }
+
+
+def cache_dir() -> Path:
+    """kvbatch's cache (``$KVBATCH_CACHE_DIR`` or ``~/.cache/kvbatch``): built kernels under
+    ``kernels/``, the engine's converted models under ``models/``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvbatch")
 
 
 def _cpu_flags() -> str:
@@ -78,8 +85,6 @@ def _compiler() -> str:
 @cache
 def library(name: str) -> ctypes.CDLL:
     """The compiled kernels of ``kernels/<name>.c``, built on first use."""
-    from engine.models.loader import cache_dir  # here: the engine imports these kernels
-
     extra, functions = LIBRARIES[name]
     source = Path(__file__).with_name(f"{name}.c")
     flags = (*CFLAGS, *extra)

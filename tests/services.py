@@ -30,3 +30,14 @@ def wait_until(
             return value
         time.sleep(interval_s)
     raise AssertionError(f"{what} not met within {timeout_s}s")
+
+
+def all_roles_store():  # type: ignore[no-untyped-def]
+    """A test's view of the SQL store with every role's methods on one object (production code
+    holds only the role it needs)."""
+    from jobs.store import BatchStore, DeliveryStore, JobReader, MaintenanceStore, ProducerStore
+
+    class SQL(ProducerStore, DeliveryStore, MaintenanceStore, BatchStore, JobReader):
+        pass
+
+    return SQL

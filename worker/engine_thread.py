@@ -2,7 +2,8 @@
 
 The worker loop sends :class:`Add`/:class:`Abort` commands through one queue and receives
 :class:`Stepped`, :class:`Rejected` and :class:`Crashed` events through another, so neither
-side ever waits on the other's I/O.
+side ever waits on the other's I/O. :class:`Engine` is all the worker needs of an engine:
+``engine.LLMEngine`` is one, and tests wrap it to inject faults.
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, RequestOutput
+    from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +26,29 @@ IDLE_WAIT_S = 0.05
 IDLE_STATS_INTERVAL_S = 1.0
 
 
+Prompt = str | list[dict[str, str]]  # plain text, or chat messages for the chat template
+
+
+class Engine(Protocol):
+    """The streaming core of an engine, as the worker drives it (``engine.LLMEngine``)."""
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                    priority: int = 0) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+
 @dataclass(frozen=True)
 class Add:
     job_id: str
-    prompt: Any
-    params: Any  # engine.SamplingParams
+    prompt: Prompt
+    params: SamplingParams
     priority: int
 
 
@@ -39,8 +62,8 @@ class Stepped:
     """One step's outputs, with the engine stats right after it."""
 
     time_s: float  # time.monotonic() when the step returned
-    outputs: list[Any]  # engine.RequestOutput
-    stats: Any  # engine.EngineStats
+    outputs: list[RequestOutput]
+    stats: EngineStats
 
 
 @dataclass(frozen=True)
@@ -60,7 +83,7 @@ Event = Stepped | Rejected | Crashed
 class EngineThread:
     """Runs ``engine.step()`` back to back while it has work; idles on the command queue."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.commands: queue.SimpleQueue[Add | Abort] = queue.SimpleQueue()
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()

@@ -23,19 +23,19 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine as Database
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.constants import Keys
 from jobs.db import make_engine
 from jobs.queue import Delivery, JobQueue
-from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus
+from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus, Outcome
 from jobs.schemas import decode_job as _decode
-from jobs.store import Decision, JobStore, Outcome
-from worker.engine_thread import Abort, Add, Crashed, EngineThread, Rejected, Stepped
+from jobs.store import Decision, DeliveryStore, MaintenanceStore
+from worker.engine_thread import Abort, Add, Crashed, Engine, EngineThread, Rejected, Stepped
 from worker.heartbeat import Heartbeat
 from worker.maintenance import ReconcilerThread
 from worker.metrics import WorkerMetrics
@@ -44,6 +44,9 @@ from worker.outcome import engine_outcome
 from worker.persist import ResultWriter
 from worker.retry import Backoff, is_outage, short_error
 from worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +84,15 @@ class Worker:
 
     Args:
         settings: the worker's settings.
-        engine: an ``engine.LLMEngine``; from now on only the worker's engine thread uses it.
+        llm: the engine (an ``engine.LLMEngine``); from now on only the worker's engine
+            thread uses it.
         redis_client: optional client (``decode_responses=True``); else from ``redis_url``.
-        sql_engine: optional SQLAlchemy engine; else from ``database_url``.
+        database: optional SQLAlchemy engine; else from ``database_url``.
     """
 
-    def __init__(self, settings: WorkerSettings, engine: Any, *,
+    def __init__(self, settings: WorkerSettings, llm: Engine, *,
                  redis_client: redis.Redis | None = None,
-                 sql_engine: Engine | None = None) -> None:
+                 database: Database | None = None) -> None:
         self.settings = s = settings
         self.worker_id = s.worker_id
         # encoding_errors="replace": a stream entry that is not UTF-8 must reach the decision
@@ -96,19 +100,21 @@ class Worker:
         self.redis = redis_client or redis.Redis.from_url(
             s.redis_url, decode_responses=True, encoding_errors="replace",
             socket_timeout=REDIS_SOCKET_TIMEOUT_S, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
-        self.store = JobStore(sql_engine or make_engine(
+        self.database = database or make_engine(
             s.database_url, connect_timeout_s=SQL_CONNECT_TIMEOUT_S,
-            statement_timeout_s=SQL_STATEMENT_TIMEOUT_S))
+            statement_timeout_s=SQL_STATEMENT_TIMEOUT_S)
+        self.deliveries = DeliveryStore(self.database)
         self.keys = Keys(s.key_prefix)
         self.queue = JobQueue(self.redis, s.model_name, self.keys)
         self.metrics = WorkerMetrics(s.model_name)
-        self.engine = EngineThread(engine)
-        self.engine_stats: Any = None
+        self.engine_thread = EngineThread(llm)
+        self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
-        self.results = ResultWriter(self.store, self.worker_id, self.outbox, self.metrics)
+        self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox, self.metrics)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S)
-        self.reconciler = ReconcilerThread(self.store, self.queue, self.worker_id,
+        self.reconciler = ReconcilerThread(MaintenanceStore(self.database), self.queue,
+                                           self.worker_id,
                                            s.reconcile_interval_s, s.reconcile_grace_s,
                                            self.metrics)
         self._undecided: list[tuple[Delivery, JobSpec]] = []
@@ -146,7 +152,7 @@ class Worker:
                      self.worker_id)
         self.heartbeat.start()
         self.reconciler.start()
-        self.engine.start()
+        self.engine_thread.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
         try:
             while True:
@@ -175,7 +181,7 @@ class Worker:
     def _close(self) -> None:
         self.reconciler.stop()
         self.heartbeat.stop()
-        self.engine.stop()
+        self.engine_thread.stop()
         with contextlib.suppress(redis.RedisError):
             if self._pubsub is not None:
                 self._pubsub.close()
@@ -279,7 +285,7 @@ class Worker:
             return
         batch = self._undecided
         try:
-            decisions = self.store.begin_deliveries(
+            decisions = self.deliveries.begin_deliveries(
                 [spec.id for _, spec in batch], self.worker_id,
                 self.settings.max_deliveries, now, live_workers=self._live)
         except SQLAlchemyError as exc:
@@ -300,22 +306,15 @@ class Worker:
                 self.outbox.dead_letter(d, dead_reason)
             else:
                 self.outbox.ack([d.entry_id])
-            if decision is not Decision.SKIP:
-                status = _DECISION_STATUS[decision].value
-                self.outbox.notify(spec.id, status)
-                self.metrics.job_finished(status)
+            if decision.status is not None:
+                self.outbox.notify(spec.id, decision.status.value)
+                self.metrics.job_finished(decision.status.value)
 
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
-        from engine import SamplingParams
-
-        try:
-            params = SamplingParams(**spec.sampling.model_dump())
-        except (ValueError, TypeError) as exc:
-            self.results.add(Outcome(spec.id, JobStatus.FAILED, time.time(),
-                                     error=f"invalid sampling parameters: {exc}"), d)
-            return
+        # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
-        self.engine.commands.put(Add(spec.id, spec.engine_prompt(), params, spec.priority))
+        self.engine_thread.commands.put(
+            Add(spec.id, spec.engine_prompt(), spec.sampling, spec.priority))
 
     # -- cancellation and deadlines ----------------------------------------------------------
 
@@ -340,14 +339,14 @@ class Worker:
         h = self.held.get(job_id)
         if h is not None and h.abort_as is None:
             h.abort_as = status
-            self.engine.commands.put(Abort(job_id))
+            self.engine_thread.commands.put(Abort(job_id))
 
     # -- outputs -----------------------------------------------------------------------------
 
     def _collect(self, wait_s: float) -> bool:
         try:
-            event = self.engine.events.get(timeout=wait_s) if wait_s else \
-                self.engine.events.get_nowait()
+            events = self.engine_thread.events
+            event = events.get(timeout=wait_s) if wait_s else events.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -362,7 +361,7 @@ class Worker:
             elif isinstance(event, Stepped):
                 self._on_step(event)
             try:
-                event = self.engine.events.get_nowait()
+                event = events.get_nowait()
             except queue.Empty:
                 return True
 
@@ -385,7 +384,7 @@ class Worker:
                 del self.held[out.request_id]
                 self.results.add(self._outcome(h, out), h.delivery)
 
-    def _outcome(self, h: Held, out: Any) -> Outcome:
+    def _outcome(self, h: Held, out: RequestOutput) -> Outcome:
         outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as)
         stats = outcome.stats
         assert stats is not None
@@ -410,11 +409,11 @@ class Worker:
         self._redis_io(time.time(), lambda _now: self.outbox.flush())
         ids = list(self.held)
         for job_id in ids:
-            self.engine.commands.put(Abort(job_id))
+            self.engine_thread.commands.put(Abort(job_id))
         self.held.clear()
         if ids and not count_attempt:
             try:
-                self.store.release(ids, self.worker_id)
+                self.deliveries.release(ids, self.worker_id)
             except SQLAlchemyError as exc:
                 log.warning("could not release %d jobs in SQL: %s", len(ids), short_error(exc))
         log.info("handed back %d jobs (%d results unsaved)", len(ids) + len(self._undecided),
@@ -422,13 +421,6 @@ class Worker:
         self.heartbeat.stop()
         with contextlib.suppress(redis.RedisError):
             self.queue.drop_heartbeat(self.worker_id)
-
-
-_DECISION_STATUS = {
-    Decision.DEAD: JobStatus.FAILED,
-    Decision.EXPIRED: JobStatus.EXPIRED,
-    Decision.CANCELLED: JobStatus.CANCELLED,
-}
 
 
 def _valid_id(job_id: str) -> bool:

@@ -1,4 +1,5 @@
-"""Process entry: build the engine, serve metrics, run the loop, stop on SIGTERM/SIGINT."""
+"""Process entry: check the services, build the engine, serve metrics, run the loop, stop on
+SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -6,25 +7,49 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from worker.settings import WorkerSettings
 
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
 log = logging.getLogger(__name__)
 
+# Startup checks give up after this long, so a worker pointed at the wrong place exits within
+# seconds instead of loading its model first.
+STARTUP_TIMEOUT_S = 5.0
 
-def build_engine(s: WorkerSettings) -> Any:
-    """An ``engine.LLMEngine`` configured from the worker settings."""
-    from engine import EngineConfig, LLMEngine
 
-    config = EngineConfig(
-        model=s.model, dtype=s.dtype, device=s.device, block_size=s.block_size,
-        num_kv_blocks=s.num_kv_blocks, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-        max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-        max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
-        seed=s.seed,
-    )
-    return LLMEngine(config)
+def build_engine(s: WorkerSettings) -> LLMEngine:
+    """The ``engine.LLMEngine`` of the worker settings."""
+    from engine.llm_engine import LLMEngine
+
+    return LLMEngine(s.engine)
+
+
+def check_services(s: WorkerSettings) -> None:
+    """Fail fast: Redis answers, and the database is at this code's schema revision.
+
+    Raises:
+        jobs.db.SchemaNotReady: the database is missing or not migrated to head.
+        redis.RedisError, sqlalchemy.exc.SQLAlchemyError: a service cannot be reached.
+    """
+    import redis
+
+    from jobs.db import check_schema, make_engine
+
+    client = redis.Redis.from_url(s.redis_url, socket_timeout=STARTUP_TIMEOUT_S,
+                                  socket_connect_timeout=STARTUP_TIMEOUT_S)
+    try:
+        client.ping()
+    finally:
+        client.close()
+    database = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
+    try:
+        check_schema(database)
+    finally:
+        database.dispose()
 
 
 def run_worker(settings: WorkerSettings) -> int:
@@ -33,6 +58,7 @@ def run_worker(settings: WorkerSettings) -> int:
 
     from worker.loop import Worker
 
+    check_services(settings)
     worker = Worker(settings, build_engine(settings))
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, registry=worker.metrics.registry)
@@ -50,15 +76,10 @@ def run_worker(settings: WorkerSettings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+    """``python -m worker``: the same as ``kvbatch worker``."""
+    from worker.cli import main as cli_main
 
-    from worker.settings import add_settings_arguments, settings_from_args
-
-    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__)
-    add_settings_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
-                                                   "%(message)s")
-    return run_worker(settings_from_args(parser.parse_args(argv)))
+    return cli_main(["worker", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from jobs.queue import JobQueue
 from jobs.reconcile import reconcile
 from jobs.schemas import JobStatus
-from jobs.store import JobStore
+from jobs.store import MaintenanceStore
 from worker.metrics import WorkerMetrics
 from worker.retry import short_error
 
@@ -23,7 +23,7 @@ class ReconcilerThread:
     """Every ``interval_s`` (and once at start), if no other worker of the model holds the
     reconcile lock, run :func:`jobs.reconcile.reconcile`."""
 
-    def __init__(self, store: JobStore, queue: JobQueue, worker_id: str, interval_s: float,
+    def __init__(self, store: MaintenanceStore, queue: JobQueue, worker_id: str, interval_s: float,
                  grace_s: float, metrics: WorkerMetrics) -> None:
         self.store, self.queue, self.worker_id = store, queue, worker_id
         self.interval_s, self.grace_s = interval_s, grace_s

@@ -8,13 +8,15 @@ wait before the engine (``admitted_at - submitted_at``) plus monotonic durations
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jobs.schemas import Choice, JobResult, JobSpec, JobStats, JobStatus, Usage
-from jobs.store import Outcome
+from jobs.schemas import Choice, JobResult, JobSpec, JobStats, JobStatus, Outcome, Usage
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
 
 
-def engine_outcome(out: Any, spec: JobSpec, admitted_at: float,
+def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
                    abort_as: JobStatus | None) -> Outcome:
     """The terminal outcome of ``spec`` from its finished engine output ``out``.
 

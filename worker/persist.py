@@ -15,8 +15,8 @@ import time
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.queue import Delivery
-from jobs.schemas import JobStatus
-from jobs.store import JobStore, Outcome
+from jobs.schemas import JobStatus, Outcome
+from jobs.store import DeliveryStore
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.retry import Backoff, is_outage, short_error
@@ -32,7 +32,7 @@ EXIT_AFTER_COMMIT = os.environ.get("KVBATCH_FAILPOINT") == "exit-after-commit"
 class ResultWriter:
     """Finished jobs not yet stored, and how to store them."""
 
-    def __init__(self, store: JobStore, worker_id: str, outbox: Outbox,
+    def __init__(self, store: DeliveryStore, worker_id: str, outbox: Outbox,
                  metrics: WorkerMetrics) -> None:
         self.store = store
         self.worker_id = worker_id

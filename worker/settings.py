@@ -1,96 +1,141 @@
-"""Worker settings: flags or ``KVBATCH_*`` environment variables (pydantic settings)."""
+"""Worker settings: flags or ``KVBATCH_*`` environment variables (pydantic settings).
+
+A worker's settings are three groups, each declared once:
+
+* where the queue and database are: ``jobs.settings.ConnectionSettings``;
+* the engine: every field of ``engine.EngineConfig``, with the engine's own defaults and help
+  (``--max-num-seqs`` / ``KVBATCH_MAX_NUM_SEQS``), built into an ``EngineConfig``;
+* what only a worker has (its id, leases, polling, draining): :class:`WorkerSettings`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import types
+import typing
 import uuid
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from jobs.constants import DEFAULT_KEY_PREFIX
-from jobs.db import DEFAULT_DATABASE_URL
+from engine.config import EngineConfig
+from jobs.constants import DEFAULT_MAX_DELIVERIES
+from jobs.settings import ENV_PREFIX, ConnectionSettings
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class WorkerSettings(BaseSettings):
-    """One worker process: which model it serves, where the queue and database are, and how
-    it leases jobs. Engine sizing fields are passed to ``EngineConfig`` unchanged."""
+class _EngineSettingsBase(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
 
-    model_config = SettingsConfigDict(env_prefix="KVBATCH_", frozen=True, extra="forbid")
 
-    model: str = Field("smollm2-135m-instruct", description="model to load (name or HF dir)")
+def _engine_settings_class() -> type[BaseSettings]:
+    """A settings class with one field per ``EngineConfig`` field: same type, default and
+    help, read from ``KVBATCH_<FIELD>``. ``EngineConfig`` validates the values."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields: dict[str, Any] = {
+        f.name: (hints[f.name], Field(f.default, description=f.metadata.get("help")))
+        for f in dataclasses.fields(EngineConfig)
+    }
+    return create_model("EngineSettings", __base__=_EngineSettingsBase, **fields)
+
+
+EngineSettings = _engine_settings_class()
+ENGINE_FIELDS = tuple(EngineSettings.model_fields)
+
+
+def engine_config(**given: Any) -> EngineConfig:
+    """An ``EngineConfig`` of ``given`` values over the environment over the defaults."""
+    return EngineConfig(**EngineSettings(**given).model_dump())
+
+
+class WorkerSettings(ConnectionSettings):
+    """One worker process: the engine it runs (``engine``), where the queue and database are,
+    and how it leases jobs."""
+
+    engine: EngineConfig = Field(default_factory=engine_config,
+                                 description="the engine (flags: one per EngineConfig field)")
     served_model_name: str | None = Field(
         None, description="name jobs use for this model (default: --model)")
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    database_url: str = DEFAULT_DATABASE_URL
-    key_prefix: str = DEFAULT_KEY_PREFIX
     # The jobs.worker_id column holds 128 characters; the id also names Redis keys.
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128,
-                           pattern=r"^[^\s]+$")
+                           pattern=r"^[^\s]+$", description="default: host-pid-random")
     metrics_port: int | None = Field(None, description="serve Prometheus /metrics on this port")
-    # Engine.
-    dtype: str = "float32"
-    device: str = "auto"
-    max_num_seqs: int = Field(64, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    block_size: int | None = Field(None, ge=1)  # 16 on CUDA, 8 on the CPU
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    max_model_len: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    # Queue.
     waiting_buffer: int = Field(8, ge=0, description="jobs held beyond max_num_seqs")
     lease_ttl_s: float = Field(10.0, gt=0, description="heartbeat TTL; dead workers' jobs "
                                                        "are claimed after it")
-    max_deliveries: int = Field(3, ge=1, description="deliveries before dead-lettering")
+    max_deliveries: int = Field(DEFAULT_MAX_DELIVERIES, ge=1,
+                                description="deliveries before dead-lettering")
     drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, time to finish "
                                                            "in-flight jobs")
-    reconcile_interval_s: float = Field(30.0, gt=0)
+    reconcile_interval_s: float = Field(30.0, gt=0, description="how often SQL and the "
+                                                                "stream are compared")
     reconcile_grace_s: float = Field(10.0, ge=0, description="reconciler leaves younger "
                                                              "jobs alone")
-    poll_interval_ms: int = Field(20, ge=1)
+    poll_interval_ms: int = Field(20, ge=1, description="wait for engine outputs per pass")
 
-    @model_validator(mode="after")
-    def _check(self) -> WorkerSettings:
-        if self.num_kv_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("give at most one of num_kv_blocks and kv_cache_memory_bytes")
-        return self
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_from_env(cls, value: Any) -> Any:
+        # KVBATCH_ENGINE is not a setting: the engine comes from its own fields' variables.
+        return engine_config() if isinstance(value, str) else value
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The served model name: the queue this worker pulls from."""
+        return self.served_model_name or self.engine.model
 
     @property
     def capacity(self) -> int:
         """Most jobs the worker holds at once."""
-        return self.max_num_seqs + self.waiting_buffer
+        return self.engine.max_num_seqs + self.waiting_buffer
+
+
+WORKER_FIELDS = tuple(name for name in WorkerSettings.model_fields if name != "engine")
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per settings field; unset flags fall back to environment and defaults."""
-    for name, field in WorkerSettings.model_fields.items():
-        kind = _scalar(field.annotation)
-        flag = "--" + name.replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
-                                  "help": field.description}
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
-        else:
-            parser.add_argument(flag, type=kind, **kwargs)
+    """One ``--flag`` per engine field and per worker setting; unset flags fall back to the
+    environment, then to the defaults shown by ``--help``."""
+    engine = parser.add_argument_group("engine (EngineConfig; env KVBATCH_<FIELD>)")
+    for name, field in EngineSettings.model_fields.items():
+        _add_flag(engine, name, field)
+    worker = parser.add_argument_group("worker (env KVBATCH_<FIELD>)")
+    for name in WORKER_FIELDS:
+        _add_flag(worker, name, WorkerSettings.model_fields[name])
+
+
+def worker_settings(**given: Any) -> WorkerSettings:
+    """Settings from flat values, as flags name them: engine fields (``max_num_seqs=…``) and
+    worker settings side by side; what is not given comes from the environment."""
+    unknown = set(given) - set(ENGINE_FIELDS) - set(WORKER_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown worker settings: {', '.join(sorted(unknown))}")
+    engine = engine_config(**{k: v for k, v in given.items() if k in ENGINE_FIELDS})
+    return WorkerSettings(engine=engine, **{k: v for k, v in given.items() if k in WORKER_FIELDS})
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
-    given = {k: v for k, v in vars(args).items() if k in WorkerSettings.model_fields}
-    return WorkerSettings(**given)
+    known = set(ENGINE_FIELDS) | set(WORKER_FIELDS)
+    return worker_settings(**{k: v for k, v in vars(args).items() if k in known})
+
+
+def _add_flag(group: Any, name: str, field: Any) -> None:
+    kind = _scalar(field.annotation)
+    default = "computed" if field.default_factory is not None else field.default
+    help_text = f"{field.description or ''} (default: {default})".lstrip()
+    kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+    flag = "--" + name.replace("_", "-")
+    if kind is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+    else:
+        group.add_argument(flag, type=kind, **kwargs)
 
 
 def _scalar(annotation: Any) -> type:

@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, RoPE tables
-from transformers' own init functions) so that greedy outputs match it token for token. With
-the CPU attention backend, the elementwise work between the matmuls (residual add + RMSNorm,
-RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
+from transformers' own init functions) so that greedy outputs match it token for token. With a
+``fused`` backend (the CPU one), the elementwise work between the matmuls (residual add +
+RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
 transformers' eager ops round; elsewhere it runs as those torch ops.
 """
 
@@ -17,8 +17,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.attention import AttentionMetadata, PagedAttention
-from kernels import AttentionOps, native
+from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
+from kernels import Backend, native
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -93,7 +93,7 @@ def apply_rotary(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps, fused: bool) -> None:
+    def __init__(self, config: PretrainedConfig, backend: Backend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -104,8 +104,8 @@ class Attention(nn.Module):
         self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
-        self.fused = fused
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self.fused = backend.fused
 
     def forward(
         self,
@@ -141,11 +141,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps, fused: bool) -> None:
+    def __init__(self, config: PretrainedConfig, backend: Backend) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
+        eps, fused = config.rms_norm_eps, backend.fused
         self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.self_attn = Attention(config, ops, fused)
+        self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.mlp = MLP(config, fused)
 
@@ -164,9 +164,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder over a flattened varlen batch; ``kv_caches[layer]`` is ``[2, N, B, H_kv, D]``."""
+    """Decoder over a flattened varlen batch; ``kv_caches[layer]`` is ``[2, N, B, H_kv, D]``.
 
-    def __init__(self, config: PretrainedConfig, ops: AttentionOps, max_positions: int) -> None:
+    Its attention shape (``num_heads``, ``num_kv_heads``, ``head_dim``, the softmax ``scale``)
+    is that of every layer.
+    """
+
+    def __init__(self, config: PretrainedConfig, backend: Backend, max_positions: int) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -175,15 +179,16 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
+        self.scale = softmax_scale(self.head_dim)
         self.rotary = Rotary(config, self.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        fused = ops.name == "cpu"  # the fused C layer ops come with the CPU attention ops
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, fused) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

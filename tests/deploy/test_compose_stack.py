@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs.cli import build_parser
+from worker.cli import build_parser
 from worker.control.settings import ControlSettings
 from worker.settings import WorkerSettings
 

@@ -16,16 +16,19 @@ from typing import Any
 
 import pytest
 import redis
+from services import all_roles_store
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from jobs.constants import Keys
 from jobs.models import Batch, Job, JobMetrics
-from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus
-from jobs.store import JobStore, Outcome
-from worker.control import batches, ops
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, Outcome
+from jobs.store import to_dt
+from worker.control import ops
 from worker.control.app import make_app
 from worker.control.settings import ControlSettings
+
+SQL = all_roles_store()
 
 MODEL = "m"
 DAY_S = 86400.0
@@ -62,7 +65,7 @@ def task(app, name: str) -> Any:  # type: ignore[no-untyped-def]
     return app.tasks[f"kvbatch.control.{name}"]
 
 
-def submit(store: JobStore, n: int, batch_id: str | None = None, prefix: str = "j",
+def submit(store: SQL, n: int, batch_id: str | None = None, prefix: str = "j",
            deadline: datetime | None = None, submitted_at: float | None = None) -> list[str]:
     specs = [JobSpec(id=f"{prefix}{i}", batch_id=batch_id, custom_id=f"row-{i}", model=MODEL,
                      prompt=f"prompt {i}", deadline=deadline,
@@ -72,7 +75,7 @@ def submit(store: JobStore, n: int, batch_id: str | None = None, prefix: str = "
     return [s.id for s in specs]
 
 
-def succeed(store: JobStore, job_id: str, finished_at: float | None = None) -> None:
+def succeed(store: SQL, job_id: str, finished_at: float | None = None) -> None:
     result = JobResult(text=f"answer {job_id}", token_ids=[1, 2, 3], finish_reason="stop")
     stats = JobStats(e2e_s=0.5, prompt_tokens=4, generated_tokens=3)
     store.finish([Outcome(job_id, JobStatus.SUCCEEDED, finished_at or time.time(),
@@ -98,18 +101,18 @@ def test_expire_deadlines_expires_batches_and_jobs_once(control, sql_engine: Eng
                                                         redis_client: redis.Redis,
                                                         keys: Keys) -> None:
     app = control(running_deadline_grace_s=60.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     now = time.time()
     past = datetime.now(UTC) - timedelta(seconds=10)
     long_past = datetime.now(UTC) - timedelta(seconds=600)
     # A batch past its own deadline: queued, running and finished jobs.
     b_ids = submit(store, 3, batch_id="b1", prefix="b1-")
-    batches.configure(sql_engine, "b1", deadline_s=now - 1)
+    SQL(sql_engine).configure_batch("b1", deadline=to_dt(now - 1))
     store.begin_deliveries(["b1-1"], "w1", max_deliveries=3, now_s=now)
     succeed(store, "b1-2")
     # A batch whose deadline is still ahead is left alone.
     submit(store, 1, batch_id="b2", prefix="b2-")
-    batches.configure(sql_engine, "b2", deadline_s=now + 3600)
+    SQL(sql_engine).configure_batch("b2", deadline=to_dt(now + 3600))
     # Jobs past their own deadline: queued, running beyond the grace, running within it.
     submit(store, 1, prefix="q-", deadline=past)
     submit(store, 1, prefix="late-", deadline=long_past)
@@ -208,9 +211,9 @@ def test_finalize_completes_exports_publishes_and_posts_once(
         tmp_path: Path) -> None:
     receiver = hook()
     app = control(export_dir=str(tmp_path / "out"), webhook_secret="s3cret")
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     ids = submit(store, 3, batch_id="done", prefix="d-")
-    batches.configure(sql_engine, "done", webhook_url=receiver.url)
+    SQL(sql_engine).configure_batch("done", webhook_url=receiver.url)
     succeed(store, ids[0])
     succeed(store, ids[1])
     store.finish([Outcome(ids[2], JobStatus.FAILED, time.time(), error="rejected: too long")])
@@ -254,7 +257,7 @@ def test_finalize_completes_exports_publishes_and_posts_once(
 def test_batch_waits_until_no_job_was_added_for_the_settle_time(control,
                                                                 sql_engine: Engine) -> None:
     app = control(batch_settle_s=300.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     ids = submit(store, 2, batch_id="chunked", submitted_at=time.time() - 10)
     for job_id in ids:
         succeed(store, job_id)
@@ -267,7 +270,7 @@ def test_webhook_is_retried_with_backoff_then_delivered(control, sql_engine: Eng
                                                         hook) -> None:
     receiver = hook([500, 503])
     app = control(webhook_url=receiver.url, webhook_backoff_s=30.0, webhook_max_attempts=5)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="flaky")[0])
     svc = app.kvbatch_services.get()
     pubsub = subscribe(redis_client, keys)
@@ -298,7 +301,7 @@ def test_webhook_is_retried_with_backoff_then_delivered(control, sql_engine: Eng
 def test_webhook_gives_up_after_max_attempts(control, sql_engine: Engine, hook) -> None:
     receiver = hook([500] * 10)
     app = control(webhook_url=receiver.url, webhook_max_attempts=2, webhook_backoff_s=1.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="dead")[0])
     svc = app.kvbatch_services.get()
     now = time.time()
@@ -319,7 +322,7 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     released cleanly at the end."""
     receiver = hook(delay_s=2.0)
     app = control(webhook_url=receiver.url, task_lock_ttl_s=0.5)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="slow")[0])
     svc = app.kvbatch_services.get()
     ops.complete_batches(svc, time.time())
@@ -343,7 +346,7 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
 def test_a_broken_http_answer_is_a_counted_attempt(control, sql_engine: Engine, hook) -> None:
     receiver = hook([0, 0])
     app = control(webhook_url=receiver.url, webhook_max_attempts=2, webhook_backoff_s=1.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="garbled")[0])
     svc = app.kvbatch_services.get()
     now = time.time()
@@ -366,9 +369,9 @@ def test_a_failing_export_is_retried_then_left_out(control, sql_engine: Engine,
     blocked = tmp_path / "exports"
     blocked.write_text("not a directory")
     app = control(export_dir=str(blocked), webhook_max_attempts=3, webhook_backoff_s=10.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="nodisk")[0])
-    batches.configure(sql_engine, "nodisk", webhook_url=receiver.url)
+    SQL(sql_engine).configure_batch("nodisk", webhook_url=receiver.url)
     svc = app.kvbatch_services.get()
     pubsub = subscribe(redis_client, keys)
     now = time.time()
@@ -391,18 +394,18 @@ def test_a_failing_export_is_retried_then_left_out(control, sql_engine: Engine,
 def test_settle_time_is_measured_on_the_database_clock(sql_engine: Engine) -> None:
     """A control host whose clock runs an hour ahead does not finalize a batch that is still
     receiving jobs."""
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     for job_id in submit(store, 2, batch_id="skewed"):
         succeed(store, job_id)
-    assert batches.complete_batches(sql_engine, time.time() + 3600, settle_s=300.0) == []
-    assert batches.complete_batches(sql_engine, time.time(), settle_s=0.0) == ["skewed"]
+    assert SQL(sql_engine).complete_batches(time.time() + 3600, settle_s=300.0) == []
+    assert SQL(sql_engine).complete_batches(time.time(), settle_s=0.0) == ["skewed"]
 
 
 # -- retention ---------------------------------------------------------------------------------
 
 def test_purge_drops_old_results_then_old_rows(control, sql_engine: Engine) -> None:
     app = control(results_retention_days=30.0, jobs_retention_days=90.0, purge_chunk=2)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     now = time.time()
     submit(store, 5, prefix="p-", submitted_at=now - 100 * DAY_S)
     for i, age_days in enumerate([100, 95, 40, 35, 1]):
@@ -425,7 +428,7 @@ def test_purge_drops_old_results_then_old_rows(control, sql_engine: Engine) -> N
 def test_reaper_fails_jobs_past_the_delivery_limit_on_no_live_worker(
         control, sql_engine: Engine, redis_client: redis.Redis, keys: Keys) -> None:
     app = control(max_deliveries=3)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     ids = submit(store, 5, prefix="r-")
     now = time.time()
     store.begin_deliveries(["r-1", "r-3"], "dead-worker", max_deliveries=3, now_s=now)
@@ -453,7 +456,7 @@ def test_reaper_fails_jobs_past_the_delivery_limit_on_no_live_worker(
 def test_reaper_asks_for_live_workers_after_locking_the_jobs(sql_engine: Engine) -> None:
     """A worker that takes a job between the start of a reaper run and its transaction is
     live by the time the reaper decides; and the reaper pages past jobs it must keep."""
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     submit(store, 5, prefix="k-")
     now = time.time()
     store.begin_deliveries(["k-0", "k-1"], "late-worker", max_deliveries=3, now_s=now)
@@ -478,11 +481,11 @@ def test_reaper_asks_for_live_workers_after_locking_the_jobs(sql_engine: Engine)
 def test_expiry_and_reaping_page_through_everything_in_one_run(
         control, sql_engine: Engine, redis_client: redis.Redis, keys: Keys) -> None:
     app = control(page_size=2, max_deliveries=3)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     past = datetime.now(UTC) - timedelta(seconds=10)
     now = time.time()
     big = submit(store, 5, batch_id="big", prefix="big-")
-    batches.configure(sql_engine, "big", deadline_s=now - 1)
+    SQL(sql_engine).configure_batch("big", deadline=to_dt(now - 1))
     loose = submit(store, 5, prefix="loose-", deadline=past)
     report = task(app, "expire_deadlines").delay().get()
     assert report == {"batches": ["big"], "jobs": sorted(big + loose)}
@@ -505,7 +508,7 @@ def test_every_scheduled_task_runs_once_at_start(control, sql_engine: Engine) ->
     from worker.control.app import run_scheduled_once
 
     app = control(results_retention_days=1.0)
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     submit(store, 1, prefix="old-", submitted_at=time.time() - 3 * DAY_S)
     succeed(store, "old-0", finished_at=time.time() - 2 * DAY_S)
     assert sorted(run_scheduled_once(app)) == [
@@ -538,7 +541,7 @@ def test_tasks_travel_through_redis_to_a_real_worker(keys: Keys, pg_engine: Engi
 
     receiver = hook()
     app = make_app(settings_for(keys, pg_url, webhook_url=receiver.url))
-    store = JobStore(pg_engine)
+    store = SQL(pg_engine)
     succeed(store, submit(store, 1, batch_id="live")[0])
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         app.tasks["kvbatch.control.finalize_batches"].delay()

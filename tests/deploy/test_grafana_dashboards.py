@@ -18,14 +18,15 @@ from typing import Any
 
 import pytest
 import yaml
-from services import PG_URL
+from services import PG_URL, all_roles_store
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import ProgrammingError
 
 from jobs import db
-from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus
-from jobs.store import JobStore, Outcome
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, Outcome
 from worker.metrics import WorkerMetrics
+
+SQL = all_roles_store()
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
@@ -249,7 +250,7 @@ def render(sql: str, model: str = "'m'") -> str:
 def seed(engine: Engine) -> None:
     """Two batches' worth of finished jobs (successes, a failure, an expiry) and a queued one;
     a third batch of another model with nothing finished yet."""
-    store = JobStore(engine)
+    store = SQL(engine)
     now = time.time()
     specs = [JobSpec(id=f"j{i}", batch_id=f"b{i % 2}", custom_id=str(i), model="m",
                      prompt="p", submitted_at=now - 300) for i in range(8)]

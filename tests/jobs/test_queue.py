@@ -4,6 +4,7 @@ import time
 
 import redis
 import sqlalchemy as sa
+from services import all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import CONSUMER_GROUP, Keys
@@ -11,6 +12,8 @@ from jobs.queue import JobQueue
 from jobs.reconcile import reconcile
 from jobs.schemas import JobSpec, JobStatus
 from jobs.store import Decision
+
+SQL = all_roles_store()
 
 
 def _specs(n: int, model: str = "m") -> list[JobSpec]:
@@ -82,17 +85,17 @@ def test_submit_is_durable_and_reconciler_restores_lost_stream(
     assert q.job_ids_in_stream() == set(ids)
     # Worker w1 (alive) runs ids[0]; worker w2 (dead) ran ids[1].
     q.heartbeat("w1", 10_000)
-    client.store.begin_deliveries([ids[0]], "w1", 3, time.time())
-    client.store.begin_deliveries([ids[1]], "w2", 3, time.time())
+    SQL(client.engine).begin_deliveries([ids[0]], "w1", 3, time.time())
+    SQL(client.engine).begin_deliveries([ids[1]], "w2", 3, time.time())
     redis_client.delete(q.stream)  # Redis lost its data
 
-    report = reconcile(client.store, q, grace_s=0.0)
+    report = reconcile(SQL(client.engine), q, grace_s=0.0)
     assert sorted(report.requeued) == sorted(ids[1:])
     assert q.job_ids_in_stream() == set(ids[1:])
-    assert reconcile(client.store, q, grace_s=0.0).requeued == []  # nothing missing now
+    assert reconcile(SQL(client.engine), q, grace_s=0.0).requeued == []  # nothing missing now
     # Jobs younger than the grace period may still be on their way to the stream.
     redis_client.delete(q.stream)
-    assert reconcile(client.store, q, grace_s=3600).requeued == []
+    assert reconcile(SQL(client.engine), q, grace_s=3600).requeued == []
 
 
 def test_cancel_queued_and_running(redis_client: redis.Redis, keys: Keys,
@@ -101,7 +104,7 @@ def test_cancel_queued_and_running(redis_client: redis.Redis, keys: Keys,
     a, b = client.submit(_specs(2))
     assert client.cancel(a) is JobStatus.CANCELLED
     assert client.wait([a], timeout_s=1)[0].status is JobStatus.CANCELLED
-    assert client.store.begin_deliveries([b], "w", 3, time.time()) == {b: Decision.RUN}
+    assert SQL(client.engine).begin_deliveries([b], "w", 3, time.time()) == {b: Decision.RUN}
     assert client.cancel(b) is JobStatus.RUNNING
     q = JobQueue(redis_client, "m", keys)
     assert q.cancel_requested([a, b]) == [b]

@@ -13,15 +13,18 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from services import all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import CONSUMER_GROUP, MAX_PAYLOAD_BYTES, Keys
 from jobs.queue import JobQueue
 from jobs.reconcile import reconcile
-from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, decode_job
-from jobs.store import Decision, JobStore, Outcome
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, Outcome, decode_job
+from jobs.store import Decision
 from worker.heartbeat import Heartbeat
 from worker.outbox import Outbox
+
+SQL = all_roles_store()
 
 MODEL = "tiny"
 
@@ -39,7 +42,7 @@ def _bare_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: sa.Engine,
     from worker.loop import Worker
 
     settings = worker_settings(tiny_model, keys, pg_url, **overrides)
-    return Worker(settings, engine=None, redis_client=redis_client, sql_engine=pg_engine)
+    return Worker(settings, llm=None, redis_client=redis_client, database=pg_engine)
 
 
 # -- A: a worker restarted under the same id takes back what its last process held ------------
@@ -53,7 +56,7 @@ def test_restart_with_same_worker_id_takes_back_its_pending_jobs(
     # The previous process of worker "same" pulled and started them, then died (no drain).
     got = q.read("same", count=10)
     assert sorted(d.job_id for d in got) == sorted(ids)
-    client.store.begin_deliveries(ids, "same", 3, time.time())
+    SQL(client.engine).begin_deliveries(ids, "same", 3, time.time())
     start_worker(worker_id="same")
     infos = client.wait(ids, timeout_s=30)
     assert [(i.status, i.attempts, i.worker_id) for i in infos] == [
@@ -71,7 +74,7 @@ def test_lease_survives_a_stalled_loop(
     running = start_worker(lease_ttl_s=1.5)
     wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING})
     blocker = JobSpec(model=MODEL, prompt="locked")
-    client.store.insert_jobs([blocker])
+    SQL(client.engine).insert_jobs([blocker])
     with pg_engine.connect() as conn, conn.begin():
         # The worker's decision on this job waits for our row lock: its loop stalls 4 s.
         conn.execute(sa.text("SELECT id FROM jobs WHERE id = :id FOR UPDATE"),
@@ -102,7 +105,7 @@ def test_heartbeat_lapses_when_the_loop_is_stuck(redis_client: redis.Redis, keys
 # -- C: a copy of a job running on a live worker neither runs nor counts ----------------------
 
 def test_copy_of_job_running_on_live_worker_is_skipped(sql_engine: sa.Engine) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     spec = JobSpec(model="m", prompt="p")
     store.insert_jobs([spec])
     now = time.time()
@@ -123,7 +126,7 @@ def test_copy_of_job_running_on_live_worker_is_skipped(sql_engine: sa.Engine) ->
 def test_reconciler_grace_ignores_a_skewed_client_clock(
     redis_client: redis.Redis, keys: Keys, sql_engine: sa.Engine,
 ) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     q = JobQueue(redis_client, "m", keys)
     spec = JobSpec(model="m", prompt="p", submitted_at=time.time() - 3600)  # clock 1 h behind
     store.insert_jobs([spec])  # its XADD has not happened yet
@@ -166,7 +169,7 @@ def test_result_refused_in_every_form_is_stored_bare(
     bad, good = JobSpec(model=MODEL, prompt="a"), JobSpec(model=MODEL, prompt="b")
     client.submit([bad, good])
     deliveries = {d.job_id: d for d in w.queue.read(w.worker_id, 10)}
-    w.store.begin_deliveries([bad.id, good.id], w.worker_id, 3, time.time())
+    w.deliveries.begin_deliveries([bad.id, good.id], w.worker_id, 3, time.time())
     huge = JobStats(prompt_tokens=2**40)  # out of range for the integer column
     w.results.add(Outcome(bad.id, JobStatus.SUCCEEDED, time.time(),
                           result=JobResult(text="x"), stats=huge), deliveries[bad.id])
@@ -199,7 +202,7 @@ def test_hand_back_stores_finished_results_first(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     (job_id,) = client.submit([JobSpec(model=MODEL, prompt="a")])
     (d,) = w.queue.read(w.worker_id, 10)
-    w.store.begin_deliveries([job_id], w.worker_id, 3, time.time())
+    w.deliveries.begin_deliveries([job_id], w.worker_id, 3, time.time())
     w.results.add(Outcome(job_id, JobStatus.SUCCEEDED, time.time(),
                           result=JobResult(text="done"), stats=JobStats()), d)
     w.results.backoff.failed(time.time())  # e.g. a failed store attempt just before the stop
@@ -212,7 +215,7 @@ def test_hand_back_stores_finished_results_first(
 # -- I: terminal decisions count the delivery ------------------------------------------------
 
 def test_dead_lettered_job_attempts_match_its_error(sql_engine: sa.Engine) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     spec = JobSpec(model="m", prompt="p")
     store.insert_jobs([spec])
     for worker in ("w1", "w2"):

@@ -6,10 +6,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
+from services import all_roles_store
 
 from jobs.constants import MAX_PAYLOAD_BYTES
-from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, decode_job, encode_job
-from jobs.store import Decision, JobStore, Outcome
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, Outcome, decode_job, encode_job
+from jobs.store import Decision
+
+SQL = all_roles_store()
 
 
 def _spec(i: int = 0, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
@@ -25,8 +28,10 @@ def test_schema_round_trip_and_validation() -> None:
         JobSpec(model="m")
     with pytest.raises(ValidationError, match="exactly one"):
         JobSpec(model="m", prompt="a", messages=[{"role": "user", "content": "b"}])
-    with pytest.raises(ValidationError, match="extra"):
+    with pytest.raises(ValidationError, match=r"sampling\.temprature\n.*Unexpected keyword"):
         JobSpec(model="m", prompt="a", sampling={"temprature": 0.5})
+    with pytest.raises(ValidationError, match=r"temperature must be >= 0\.0, got -1\.0"):
+        JobSpec(model="m", prompt="a", sampling={"temperature": -1})
     with pytest.raises(ValueError, match="limit"):
         encode_job(JobSpec(model="m", prompt="x" * MAX_PAYLOAD_BYTES))
     with pytest.raises(ValueError):
@@ -35,7 +40,7 @@ def test_schema_round_trip_and_validation() -> None:
 
 
 def test_deliveries_count_attempts_and_dead_letter_past_limit(sql_engine: sa.Engine) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     spec = _spec()
     store.insert_jobs([spec])
     now = time.time()
@@ -53,7 +58,7 @@ def test_deliveries_count_attempts_and_dead_letter_past_limit(sql_engine: sa.Eng
 
 
 def test_exactly_one_terminal_transition(sql_engine: sa.Engine) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     spec = _spec()
     store.insert_jobs([spec])
     store.begin_deliveries([spec.id], "w1", 3, time.time())
@@ -72,7 +77,7 @@ def test_exactly_one_terminal_transition(sql_engine: sa.Engine) -> None:
 
 
 def test_cancel_deadline_release_and_batches(sql_engine: sa.Engine) -> None:
-    store = JobStore(sql_engine)
+    store = SQL(sql_engine)
     now = time.time()
     queued, running, late = _spec(1), _spec(2), _spec(3, deadline=datetime.now(UTC)
                                                        - timedelta(seconds=1))
@@ -94,6 +99,6 @@ def test_cancel_deadline_release_and_batches(sql_engine: sa.Engine) -> None:
     # A redelivered job whose cancel was requested is not run.
     assert store.begin_deliveries([running.id], "w", 3, now) == {running.id: Decision.CANCELLED}
 
-    assert store.expire_overdue("m", now) == [late.id]
+    assert store.expire_past_deadline(now, model="m") == [(late.id, JobStatus.QUEUED.value)]
     assert store.get(late.id).status is JobStatus.EXPIRED
     assert store.request_cancel("nope", now) is None

@@ -9,11 +9,14 @@ from datetime import UTC, datetime, timedelta
 import redis
 import sqlalchemy as sa
 from prometheus_client import generate_latest
+from services import all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import FIELD_ID, FIELD_JOB, Keys
 from jobs.queue import JobQueue
 from jobs.schemas import JobSpec, JobStatus
+
+SQL = all_roles_store()
 
 MODEL = "tiny"
 
@@ -73,7 +76,7 @@ def test_pull_never_exceeds_free_capacity(redis_client: redis.Redis, keys: Keys,
     running = start_worker(max_num_seqs=4, waiting_buffer=2)
     q = JobQueue(redis_client, MODEL, keys)
     peak = 0
-    while client.store.count_by_status(model=MODEL).get(JobStatus.SUCCEEDED, 0) < 30:
+    while SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.SUCCEEDED, 0) < 30:
         _, pending = q.depth()
         peak = max(peak, pending)
         assert len(running.worker.held) <= 6 and pending <= 6
@@ -89,13 +92,15 @@ def test_bad_jobs_fail_alone_with_readable_errors(
     good = [_job(i) for i in range(4)]
     too_long = _job(10, sampling={"max_tokens": 4})
     too_long = too_long.model_copy(update={"prompt": "x" * 400, "messages": None})
-    bad_sampling = _job(12, sampling={"temperature": -1.0})
     other_model = JobSpec(model="no-such-model", prompt="hi")
-    ids = client.submit([*good, too_long, bad_sampling])
-    # Messages the SDK would never produce: not JSON, wrong schema, wrong model for the stream.
-    not_json, wrong_schema = _job(20), _job(21)
-    client.store.insert_jobs([not_json, wrong_schema, other_model])
+    ids = client.submit([*good, too_long])
+    # Messages the SDK would never produce: not JSON, wrong schema, a sampling value the engine
+    # refuses (the SDK checks it at submission), wrong model for the stream.
+    not_json, wrong_schema, bad_sampling = _job(20), _job(21), _job(12)
+    SQL(client.engine).insert_jobs([not_json, wrong_schema, bad_sampling, other_model])
     q = JobQueue(redis_client, MODEL, keys)
+    bad_payload = {**bad_sampling.model_dump(mode="json"), "sampling": {"temperature": -1.0}}
+    redis_client.xadd(q.stream, {FIELD_ID: bad_sampling.id, FIELD_JOB: json.dumps(bad_payload)})
     redis_client.xadd(q.stream, {FIELD_ID: not_json.id, FIELD_JOB: "{not json"})
     redis_client.xadd(q.stream, {FIELD_ID: wrong_schema.id,
                                  FIELD_JOB: json.dumps({"id": wrong_schema.id, "model": MODEL})})
@@ -104,12 +109,12 @@ def test_bad_jobs_fail_alone_with_readable_errors(
     redis_client.xadd(q.stream, {"junk": "no id at all"})
     start_worker(max_model_len=256)
 
-    infos = {i.id: i for i in client.wait([*ids, not_json.id, wrong_schema.id, other_model.id],
-                                          timeout_s=60)}
+    infos = {i.id: i for i in client.wait([*ids, not_json.id, wrong_schema.id, bad_sampling.id,
+                                           other_model.id], timeout_s=60)}
     assert all(infos[s.id].status is JobStatus.SUCCEEDED for s in good)
     expected = {
         too_long.id: "max_model_len",
-        bad_sampling.id: "temperature",
+        bad_sampling.id: "temperature must be >= 0.0",
         not_json.id: "malformed job message",
         wrong_schema.id: "exactly one of 'prompt' and 'messages'",
         other_model.id: "unknown model 'no-such-model'",

@@ -88,7 +88,7 @@ def test_sigterm_drains_then_hands_back(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([_long(i, max_tokens=1900) for i in range(3)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_DRAIN_TIMEOUT_S": "0.5"}
-    cmd = _worker_cmd(["jobs.cli", "worker"], tiny_model, keys, pg_url)  # `kvbatch worker`
+    cmd = _worker_cmd(["worker.cli", "worker"], tiny_model, keys, pg_url)  # `kvbatch worker`
     log = (tmp_path / "worker.log").open("w")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -31,7 +31,7 @@ class RunningWorker:
 
 
 def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides):  # type: ignore[no-untyped-def]
-    from worker.settings import WorkerSettings
+    from worker.settings import worker_settings as settings
 
     values = {
         "model": tiny_model, "served_model_name": TINY_MODEL_NAME, "redis_url": REDIS_URL,
@@ -41,4 +41,4 @@ def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides)
         "poll_interval_ms": 10,
     }
     values.update(overrides)
-    return WorkerSettings(**values)
+    return settings(**values)

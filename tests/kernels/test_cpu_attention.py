@@ -9,8 +9,8 @@ import pytest
 import torch
 from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
 
-from engine.models.loader import cache_dir
 from kernels import cpu, reference
+from kernels.native import cache_dir
 
 # (seq_len, q_len) per sequence.
 DECODE_SEQS = [(1, 1), (15, 1), (16, 1), (17, 1), (333, 1), (40, 1)]

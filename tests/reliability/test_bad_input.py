@@ -18,15 +18,16 @@ from chaos import MODEL, REPO, wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from services import SOAK
+from services import SOAK, all_roles_store
 from test_faults import record
 
 from jobs.client import JobClient
 from jobs.constants import FIELD_ID, FIELD_JOB, Keys
 from jobs.queue import JobQueue
-from jobs.rows import parse_row
-from jobs.schemas import Sampling
+from jobs.rows import SAMPLING_FIELDS, parse_row
 from jobs.sdk import Client, row_spec
+
+SQL = all_roles_store()
 
 EXAMPLES = 1500 if SOAK else 150
 FAST = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -38,7 +39,7 @@ json_values = st.recursive(
                                                                       children, max_size=4),
     max_leaves=12)
 sampling_values = st.dictionaries(
-    st.sampled_from([*Sampling.model_fields, "temprature", "best_of"]),
+    st.sampled_from([*sorted(SAMPLING_FIELDS), "temprature", "best_of"]),
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats()
     | st.sampled_from([math.nan, math.inf, -1.0, 1e308]) | st.text(max_size=5)
     | st.lists(st.integers(-5, 60_000), max_size=3) | st.lists(st.text(max_size=3), max_size=3),
@@ -75,7 +76,7 @@ def test_arbitrary_stream_entries(redis_client: redis.Redis, keys: Keys, pg_engi
         fields: dict[bytes, bytes] = {FIELD_JOB.encode(): payload}
         if with_row:  # a real job whose stream copy is garbage: it must fail, readably
             spec = JobSpec(model=MODEL, prompt="p")
-            client.store.insert_jobs([spec])
+            SQL(client.engine).insert_jobs([spec])
             fields[FIELD_ID.encode()] = spec.id.encode()
             tried.append(spec.id)
         elif id_field is not None:
@@ -120,7 +121,7 @@ def test_arbitrary_sdk_arguments(redis_client: redis.Redis, keys: Keys, pg_engin
 
         submit()
         client = sdk.jobs
-        wait_until(lambda: len(client.store.terminal_ids(accepted)) == len(accepted), 300,
+        wait_until(lambda: len(SQL(client.engine).terminal_ids(accepted)) == len(accepted), 300,
                    interval_s=0.5, what="accepted jobs terminal")
         infos = client.get_many(accepted)
     for info in infos:
@@ -163,7 +164,7 @@ def test_kvbatch_submit_refuses_a_bad_file_by_line(tmp_path: Path, pg_url: str,
     bad.write_text('{"custom_id": "a", "prompt": "fine"}\n{"custom_id": "b", "prompt": 5, '
                    '"metadata": 7}\n', encoding="utf-8")
     out = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "submit", str(bad), "-o", str(tmp_path / "out.jsonl"),
+        [sys.executable, "-m", "worker.cli", "submit", str(bad), "-o", str(tmp_path / "out.jsonl"),
          "--model", MODEL, "--database-url", pg_url, "--key-prefix", keys.prefix],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -18,12 +18,14 @@ import pytest
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, audit, wait_until
-from services import SOAK
+from services import SOAK, all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import Keys
 from jobs.queue import JobQueue
 from jobs.schemas import JobSpec, JobStatus
+
+SQL = all_roles_store()
 
 FIGURES = Path(os.environ.get("KVBATCH_RELIABILITY_FIGURES", "/tmp/kvbatch-reliability.json"))
 
@@ -42,23 +44,22 @@ def _greedy(i: int, max_tokens: int) -> JobSpec:
 
 def _reference(tiny_model: str, specs: list[JobSpec]) -> dict[str, list[int]]:
     """Greedy outputs of the same prompts from the engine alone, without any fault."""
-    from engine import SamplingParams
     from worker.main import build_engine
-    from worker.settings import WorkerSettings
+    from worker.settings import worker_settings
 
-    engine = build_engine(WorkerSettings(model=tiny_model, device="cpu", num_kv_blocks=512,
-                                         max_num_seqs=16))
+    engine = build_engine(worker_settings(model=tiny_model, device="cpu", num_kv_blocks=512,
+                                          max_num_seqs=16))
     outs = engine.generate([s.prompt for s in specs],
-                           [SamplingParams(**s.sampling.model_dump()) for s in specs])
+                           [s.sampling for s in specs])
     return {s.id: list(o.outputs[0].token_ids) for s, o in zip(specs, outs, strict=True)}
 
 
 def _all_terminal(client: JobClient, ids: list[str]) -> bool:
-    return len(client.store.terminal_ids(ids)) == len(ids)
+    return len(SQL(client.engine).terminal_ids(ids)) == len(ids)
 
 
 def _running_or_done(client: JobClient, ids: list[str]) -> bool:
-    return bool(client.store.count_by_status(model=MODEL).get(JobStatus.RUNNING)) or \
+    return bool(SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.RUNNING)) or \
         _all_terminal(client, ids)
 
 
@@ -70,7 +71,7 @@ def test_sigkill_at_random_moments(redis_client: redis.Redis, keys: Keys, pg_eng
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit(specs)
     procs = {name: workers.start(name) for name in ("w-a", "w-b")}
-    wait_until(lambda: client.store.count_by_status(model=MODEL).get(JobStatus.RUNNING), 60,
+    wait_until(lambda: SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.RUNNING), 60,
                what="first job running")
     kills = 0
     while kills < n_kills and not _all_terminal(client, ids):
@@ -109,7 +110,7 @@ def test_death_between_sql_commit_and_xack(redis_client: redis.Redis, keys: Keys
     ids = client.submit(specs)
     crashing = workers.start("w-commit", env={"KVBATCH_FAILPOINT": "exit-after-commit"})
     assert crashing.proc.wait(120) == 137, crashing.log()[-2000:]
-    stored = client.store.terminal_ids(ids)
+    stored = SQL(client.engine).terminal_ids(ids)
     queue = JobQueue(redis_client, MODEL, keys)
     assert stored and queue.depth()[1] >= len(stored)  # stored, still pending: never acked
     workers.start("w-next")
@@ -227,7 +228,7 @@ def test_sigterm_under_load(redis_client: redis.Redis, keys: Keys, pg_engine: sa
     ids = client.submit([_greedy(i, max_tokens=200) for i in range(n_jobs)])
     leaving = workers.start("leaving", drain_timeout_s=1.0)
     workers.start("staying")
-    wait_until(lambda: client.store.count_by_status(model=MODEL).get(JobStatus.SUCCEEDED), 90,
+    wait_until(lambda: SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.SUCCEEDED), 90,
                what="first results")
     leaving.signal(signal.SIGTERM)
     assert leaving.proc.wait(30) == 0

@@ -12,10 +12,13 @@ import pytest
 import redis
 import sqlalchemy as sa
 from chaos import MODEL, REPO, RedisServer, free_port
+from services import all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import FIELD_ID, FIELD_JOB, MAX_PAYLOAD_BYTES, Keys
 from jobs.schemas import JobSpec
+
+SQL = all_roles_store()
 
 FORBIDDEN_CALLS = {"eval", "exec", "compile", "__import__"}
 FORBIDDEN_MODULES = {"pickle", "cPickle", "dill", "marshal", "shelve", "cloudpickle"}
@@ -55,7 +58,7 @@ def test_pickle_payload_is_rejected(redis_client: redis.Redis, keys: Keys, pg_en
     marker.unlink(missing_ok=True)
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     spec = JobSpec(model=MODEL, prompt="p")
-    client.store.insert_jobs([spec])
+    SQL(client.engine).insert_jobs([spec])
     raw = redis.Redis.from_url("redis://127.0.0.1:6379/0")
     raw.xadd(keys.stream(MODEL), {FIELD_ID: spec.id, FIELD_JOB: PICKLE_PAYLOAD})
     raw.close()
@@ -70,14 +73,14 @@ def test_size_limits_and_bound_parameters(redis_client: redis.Redis, keys: Keys,
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     with pytest.raises(ValueError, match="byte limit"):
         client.submit([JobSpec(model=MODEL, prompt="é" * (MAX_PAYLOAD_BYTES // 2 + 1))])
-    assert client.store.count_by_status() == {}  # nothing stored
+    assert SQL(client.engine).count_by_status() == {}  # nothing stored
     hostile = "'); DROP TABLE jobs; --"
     spec = JobSpec(model=MODEL, prompt=hostile, custom_id=hostile, batch_id="b-1",
                    metadata={hostile: hostile})
     client.submit([spec])
     info = client.get(spec.id)
     assert info.custom_id == hostile and info.metadata == {hostile: hostile}
-    assert client.store.specs([spec.id])[0].prompt == hostile
+    assert SQL(client.engine).specs([spec.id])[0].prompt == hostile
     with pg_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 1
 
@@ -120,14 +123,14 @@ def test_credentials_never_in_logs_or_metrics(keys: Keys, pg_url: str, pg_engine
 
 def test_tls_urls_are_accepted(keys: Keys) -> None:
     from worker.loop import Worker
-    from worker.settings import WorkerSettings
+    from worker.settings import worker_settings
 
-    settings = WorkerSettings(
+    settings = worker_settings(
         model="tiny", redis_url="rediss://:pw@redis.example:6380/0?ssl_cert_reqs=required",
         database_url="postgresql://u:pw@db.example:5432/kv?sslmode=verify-full",
         key_prefix=keys.prefix)
-    w = Worker(settings, engine=None)  # builds clients; connects to nothing yet
+    w = Worker(settings, llm=None)  # builds clients; connects to nothing yet
     assert w.redis.connection_pool.connection_class is redis.SSLConnection
-    assert w.store.engine.url.query["sslmode"] == "verify-full"
-    assert w.store.engine.url.drivername == "postgresql+psycopg"
-    assert "pw" not in repr(w.store.engine.url)
+    assert w.database.url.query["sslmode"] == "verify-full"
+    assert w.database.url.drivername == "postgresql+psycopg"
+    assert "pw" not in repr(w.database.url)

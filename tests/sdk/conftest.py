@@ -56,7 +56,7 @@ def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable
     """Start a worker loop on the tiny model in a thread; stopped (no drain) at the end."""
     from worker.loop import Worker
     from worker.main import build_engine
-    from worker.settings import WorkerSettings
+    from worker.settings import worker_settings
 
     started: list[tuple[Worker, threading.Thread]] = []
 
@@ -67,7 +67,7 @@ def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable
             "lease_ttl_s": 2.0, "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0,
             "poll_interval_ms": 10, **services, **overrides,
         }
-        settings = WorkerSettings(**values)  # type: ignore[arg-type]
+        settings = worker_settings(**values)
         worker = Worker(settings, build_engine(settings))
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
@@ -90,6 +90,6 @@ def cli_env(services: dict[str, str]) -> dict[str, str]:
 
 @pytest.fixture
 def cli_args(services: dict[str, str]) -> list[str]:
-    """Connection flags for an in-process ``jobs.cli.main`` call."""
+    """Connection flags for an in-process ``worker.cli.main`` call."""
     return ["--redis-url", services["redis_url"], "--database-url", services["database_url"],
             "--key-prefix", services["key_prefix"]]

@@ -40,7 +40,7 @@ def test_validation_before_enqueue(client: Client) -> None:
     with pytest.raises(ValueError, match="custom_id 'a' appears more than once"):
         client.submit_batch([{"custom_id": "a", "prompt": "a"}, {"custom_id": "a", "prompt": "b"}])
     assert client.jobs.redis.keys(f"{client.jobs.keys.prefix}:*") == []
-    assert client.jobs.store.count_by_status() == {}
+    assert client.jobs.count_by_status() == {}
 
 
 def test_cancel_queued_and_running(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
@@ -68,11 +68,24 @@ def test_failed_job_carries_reason_and_timeout(client: Client, start_worker) -> 
     with pytest.raises(TimeoutError):
         job.result(timeout_s=0.3)  # no worker yet
     start_worker()
-    bad = client.submit(prompt="x", max_tokens=4, temperature=-1.0)  # range checked by engine
-    with pytest.raises(JobFailed, match="temperature") as failed:
+    bad = client.submit(prompt="x" * 3000, max_tokens=4)  # over the tiny model's 2048 tokens
+    with pytest.raises(JobFailed, match="max_model_len") as failed:
         bad.result(timeout_s=60)
-    assert failed.value.status is JobStatus.FAILED and "temperature" in failed.value.reason
+    assert failed.value.status is JobStatus.FAILED and "max_model_len" in failed.value.reason
     assert job.result(timeout_s=60).usage.completion_tokens > 0
+
+
+def test_bad_sampling_value_refused_at_submission(client: Client) -> None:
+    """The engine's own rules run when the job is built: nothing reaches SQL or Redis."""
+    for bad, field in (({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                       ({"max_tokens": 0}, "max_tokens"), ({"min_tokens": 9, "max_tokens": 4},
+                                                           "min_tokens")):
+        with pytest.raises(ValidationError, match=field):
+            client.submit(prompt="x", **bad)
+    with pytest.raises(ValueError, match=r"row 1: sampling: .*top_k must be >= 0"):
+        client.submit_batch([{"prompt": "fine"}, {"prompt": "x", "top_k": -3}])
+    assert client.jobs.count_by_status() == {}
+    assert client.jobs.redis.keys(f"{client.jobs.keys.prefix}:*") == []
 
 
 def test_async_client_parity(services, start_worker) -> None:  # type: ignore[no-untyped-def]
@@ -120,7 +133,7 @@ def test_submit_batch_sets_the_batch_webhook_and_deadline(client: Client) -> Non
     client.submit_batch([{"custom_id": "a", "prompt": "hi"}], batch_id="hooked",
                         webhook_url="http://127.0.0.1:9/hook", deadline=deadline, max_tokens=2)
     client.submit_batch([{"custom_id": "b", "prompt": "hi"}], batch_id="plain", max_tokens=2)
-    with Session(client.jobs.store.engine) as session:
+    with Session(client.jobs.engine) as session:
         hooked, plain = session.get(Batch, "hooked"), session.get(Batch, "plain")
     assert hooked is not None and plain is not None
     assert hooked.webhook_url == "http://127.0.0.1:9/hook"

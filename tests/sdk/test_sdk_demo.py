@@ -14,7 +14,7 @@ def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("KVBATCH_REDIS_URL", "KVBATCH_DATABASE_URL", "KVBATCH_KEY_PREFIX")}
     env["KVBATCH_NUM_KV_BLOCKS"] = "256"  # read by the worker; a small pool starts faster
-    cmd = [sys.executable, "-m", "jobs.cli", "demo", "--model", tiny_model, "--max-tokens", "6",
+    cmd = [sys.executable, "-m", "worker.cli", "demo", "--model", tiny_model, "--max-tokens", "6",
            "--num-prompts", "4", "--workdir", str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -7,12 +7,14 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from services import all_roles_store
 
 from jobs import db
 from jobs.rows import RowKind, output_line, parse_row
-from jobs.schemas import JobInfo, JobResult, JobSpec, JobStats, JobStatus, Usage
-from jobs.stats import percentiles, query_stats
-from jobs.store import JobStore, Outcome
+from jobs.schemas import JobInfo, JobResult, JobSpec, JobStats, JobStatus, Outcome, Usage
+from jobs.stats import aggregate, percentiles
+
+SQL = all_roles_store()
 
 CHAT = "/v1/chat/completions"
 
@@ -91,7 +93,7 @@ def test_stats_by_batch_and_since(database: str, request: pytest.FixtureRequest,
            else f"sqlite:///{tmp_path / 'stats.db'}")
     engine = db.make_engine(url)
     db.upgrade(engine)
-    store = JobStore(engine)
+    store = SQL(engine)
     t0 = time.time()  # created_at is the database's clock at insert, just after t0
     specs = [JobSpec(id=uuid.uuid4().hex, model="m", prompt="p", batch_id=b, custom_id=str(i))
              for i, b in enumerate(["x", "x", "y"])]
@@ -101,13 +103,16 @@ def test_stats_by_batch_and_since(database: str, request: pytest.FixtureRequest,
                                                           (3.0, 0, 30, 8192), (2.0, 0, 5, 1)]]
     store.finish([Outcome(s.id, JobStatus.SUCCEEDED, t0 + 10, result=JobResult(), stats=st)
                   for s, st in zip(specs, stats, strict=True)])
-    x = query_stats(engine, batch_id="x")
+    x = aggregate(SQL(engine).job_stats_rows(batch_id="x"))
     assert (x.jobs, x.generated_tokens, x.cached_prompt_tokens, x.peak_kv_bytes) == (
         2, 40, 50, 8192)
     assert x.prefix_cache_hit_rate == 0.25 and x.e2e_s["p50"] == 2.0
     assert x.wall_s == pytest.approx(10, abs=0.5)
     assert x.output_tokens_per_s == pytest.approx(40 / x.wall_s)
-    assert query_stats(engine, since=timedelta(hours=1)).jobs == 3
-    assert query_stats(engine, since=datetime.now(UTC) + timedelta(minutes=1)).jobs == 0
-    assert query_stats(engine, batch_id="y", since=timedelta(hours=1)).generated_tokens == 5
+    reader = SQL(engine)
+    assert aggregate(reader.job_stats_rows(since=timedelta(hours=1))).jobs == 3
+    soon = datetime.now(UTC) + timedelta(minutes=1)
+    assert aggregate(reader.job_stats_rows(since=soon)).jobs == 0
+    y_last_hour = reader.job_stats_rows(batch_id="y", since=timedelta(hours=1))
+    assert aggregate(y_last_hour).generated_tokens == 5
     engine.dispose()

@@ -19,8 +19,8 @@ from sqlalchemy import Engine
 from jobs.constants import DONE_MARKER_TTL_S, FIELD_ID, FIELD_JOB, FIELD_REASON, Keys
 from jobs.db import make_engine
 from jobs.queue import DEAD_LETTER_MAXLEN, JobQueue, signal_cancel
-from jobs.schemas import JobStatus, encode_job
-from jobs.store import JobStore
+from jobs.schemas import BatchStatus, JobStatus, encode_job
+from jobs.store import BatchStore, JobReader, MaintenanceStore
 from worker.control import batches
 from worker.control.settings import ControlSettings
 from worker.control.webhook import backoff_s, post_event
@@ -45,8 +45,16 @@ class Services:
                    Keys(settings.key_prefix))
 
     @property
-    def store(self) -> JobStore:
-        return JobStore(self.engine)
+    def maintenance(self) -> MaintenanceStore:
+        return MaintenanceStore(self.engine)
+
+    @property
+    def batches(self) -> BatchStore:
+        return BatchStore(self.engine)
+
+    @property
+    def reader(self) -> JobReader:
+        return JobReader(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -61,10 +69,10 @@ def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
     """Expire batches past their deadline (with their active jobs), then any job past its own.
     Running jobs expired here get a cancel signal, so a live worker frees their KV blocks."""
     s = svc.settings
-    by_batch = svc.store.expire_batches(now_s, s.page_size)
+    by_batch = svc.maintenance.expire_batches(now_s, s.page_size)
     jobs = [job for expired in by_batch.values() for job in expired]
-    while page := svc.store.expire_past_deadline(now_s, s.running_deadline_grace_s,
-                                                 s.page_size):
+    while page := svc.maintenance.expire_past_deadline(
+            now_s, running_grace_s=s.running_deadline_grace_s, limit=s.page_size):
         jobs += page
         if len(page) < s.page_size:
             break
@@ -80,10 +88,10 @@ def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
 
 def complete_batches(svc: Services, now_s: float) -> list[str]:
     """Mark finished batches ``completed``; returns the batches now due for finalizing."""
-    done = batches.complete_batches(svc.engine, now_s, svc.settings.batch_settle_s)
+    done = svc.batches.complete_batches(now_s, svc.settings.batch_settle_s)
     if done:
         log.info("batches completed: %s", ", ".join(done))
-    return batches.due_batches(svc.engine, now_s)
+    return svc.batches.due_batches(now_s)
 
 
 def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
@@ -96,8 +104,8 @@ def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
     is left out (the event says ``results_path: null``, ``webhook_error`` says why) and a
     webhook that still fails is given up."""
     s = svc.settings
-    batch = batches.load(svc.engine, batch_id)
-    if batch is None or batch.status == "in_progress" or batch.notified_at is not None:
+    batch = svc.batches.load(batch_id)
+    if batch is None or batch.status is BatchStatus.IN_PROGRESS or batch.notified_at is not None:
         return "skipped"
     if batch.webhook_next_at is not None and batch.webhook_next_at.timestamp() > now_s:
         return "skipped"
@@ -106,30 +114,30 @@ def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
     results_path, export_error = batch.results_path, None
     if s.export_dir and results_path is None:
         try:
-            results_path = batches.export_results(svc.store, batch_id, s.export_dir)
+            results_path = batches.export_results(svc.reader, batch_id, s.export_dir)
         except Exception as exc:  # disk full, permissions: count the attempt, retry
             export_error = f"export failed: {type(exc).__name__}: {exc}"
             log.warning("batch %s attempt %d: %s", batch_id, attempt, export_error)
             if attempt < s.webhook_max_attempts:
-                batches.record_webhook_attempt(svc.engine, batch_id, now_s, export_error,
+                svc.batches.record_webhook_attempt(batch_id, now_s, export_error,
                                                s.webhook_max_attempts, retry_in_s)
                 return "retry"
         else:
-            batches.record_export(svc.engine, batch_id, results_path)
-    event = batches.event(svc.store, batch, results_path)
+            svc.batches.record_export(batch_id, results_path)
+    event = batches.event(svc.reader, batch, results_path)
     # Published once: the marker key is set only by the first run that gets this far.
-    if svc.redis.set(svc.keys.batch_done(batch_id), batch.status, nx=True,
+    if svc.redis.set(svc.keys.batch_done(batch_id), batch.status.value, nx=True,
                      ex=DONE_MARKER_TTL_S):
         svc.redis.publish(svc.keys.batch_done_channel(), json.dumps(event))
     url = batch.webhook_url or s.webhook_url
     if not url:
         if export_error is not None:
-            batches.record_webhook_attempt(svc.engine, batch_id, now_s, export_error, 1, 0.0)
+            svc.batches.record_webhook_attempt(batch_id, now_s, export_error, 1, 0.0)
             return "gave-up"
-        batches.mark_notified(svc.engine, batch_id, now_s)
+        svc.batches.mark_notified(batch_id, now_s)
         return "notified"
     error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s)
-    settled = batches.record_webhook_attempt(svc.engine, batch_id, now_s,
+    settled = svc.batches.record_webhook_attempt(batch_id, now_s,
                                              error or export_error, s.webhook_max_attempts,
                                              retry_in_s, delivered=error is None)
     if error is None:
@@ -144,11 +152,11 @@ def purge(svc: Services, now_s: float) -> dict[str, int]:
     purged = deleted = 0
     if s.results_retention_days is not None:
         cutoff = now_s - s.results_retention_days * DAY_S
-        while (n := svc.store.purge_results(cutoff, s.purge_chunk)) > 0:
+        while (n := svc.maintenance.purge_results(cutoff, s.purge_chunk)) > 0:
             purged += n
     if s.jobs_retention_days is not None:
         cutoff = now_s - s.jobs_retention_days * DAY_S
-        while (n := svc.store.delete_finished(cutoff, s.purge_chunk)) > 0:
+        while (n := svc.maintenance.delete_finished(cutoff, s.purge_chunk)) > 0:
             deleted += n
     if purged or deleted:
         log.info("retention: dropped %d results, deleted %d jobs", purged, deleted)
@@ -162,13 +170,13 @@ def reap(svc: Services, now_s: float) -> list[str]:
     reaped: list[tuple[str, str, int]] = []
     after: str | None = ""
     while after is not None:
-        page, after = svc.store.reap_overdelivered(svc.settings.max_deliveries,
+        page, after = svc.maintenance.reap_overdelivered(svc.settings.max_deliveries,
                                                    queue.live_workers, now_s,
                                                    svc.settings.page_size, after)
         reaped += page
     if not reaped:
         return []
-    specs = {spec.id: spec for spec in svc.store.specs([job_id for job_id, _, _ in reaped])}
+    specs = {spec.id: spec for spec in svc.maintenance.specs([job_id for job_id, _, _ in reaped])}
     by_model: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for job_id, model, attempts in reaped:
         by_model[model].append((job_id, attempts))

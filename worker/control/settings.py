@@ -11,23 +11,18 @@ import types
 from typing import Any, Union, get_args, get_origin
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from jobs.constants import DEFAULT_KEY_PREFIX
-from jobs.db import DEFAULT_DATABASE_URL
+from jobs.constants import DEFAULT_MAX_DELIVERIES
+from jobs.settings import ConnectionSettings
 
 
-class ControlSettings(BaseSettings):
-    """Where the queue and database are, how often each task runs, and what finalizing a
-    batch does (export, webhook)."""
+class ControlSettings(ConnectionSettings):
+    """Where the queue and database are (``ConnectionSettings``), how often each task runs, and
+    what finalizing a batch does (export, webhook)."""
 
-    model_config = SettingsConfigDict(env_prefix="KVBATCH_", frozen=True, extra="forbid")
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
     broker_url: str | None = Field(None, description="Celery broker (default: --redis-url)")
-    database_url: str = DEFAULT_DATABASE_URL
-    key_prefix: str = DEFAULT_KEY_PREFIX
-    max_deliveries: int = Field(3, ge=1, description="the workers' limit, for the reaper")
+    max_deliveries: int = Field(DEFAULT_MAX_DELIVERIES, ge=1,
+                                description="the workers' limit, for the reaper")
     # Schedules.
     expire_interval_s: float = Field(30.0, gt=0)
     finalize_interval_s: float = Field(10.0, gt=0)

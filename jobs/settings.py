@@ -1,0 +1,34 @@
+"""Where the queue and the database are: the one declaration every process shares.
+
+``KVBATCH_REDIS_URL``, ``KVBATCH_DATABASE_URL`` and ``KVBATCH_KEY_PREFIX`` (or the matching
+flags and arguments) configure the SDK, the command line, the workers and the control plane
+alike, so one environment file serves them all.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL
+
+ENV_PREFIX = "KVBATCH_"
+
+
+class ConnectionSettings(BaseSettings):
+    """The Redis queue, the SQL database and the key prefix shared with the workers."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="forbid")
+
+    redis_url: str = Field(DEFAULT_REDIS_URL, description="the Redis queue")
+    database_url: str = Field(DEFAULT_DATABASE_URL, description="the SQL database")
+    key_prefix: str = Field(DEFAULT_KEY_PREFIX, description="Redis key prefix shared by the "
+                                                            "producers and workers of a "
+                                                            "deployment")
+
+
+def connection_settings(redis_url: str | None = None, database_url: str | None = None,
+                        key_prefix: str | None = None) -> ConnectionSettings:
+    """Explicit values, else the ``KVBATCH_*`` environment, else the defaults."""
+    given = {"redis_url": redis_url, "database_url": database_url, "key_prefix": key_prefix}
+    return ConnectionSettings(**{k: v for k, v in given.items() if v is not None})

@@ -1,0 +1,88 @@
+"""The producers' writes: jobs and their batches in, batch settings, cancellation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, insert, select, update
+from sqlalchemy.orm import Session
+
+from jobs.models import Batch, Job
+from jobs.schemas import JobSpec, JobStatus, Outcome
+from jobs.store.transitions import db_now, terminalize
+
+
+class ProducerStore:
+    """Inserts jobs, configures batches and cancels jobs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def insert_jobs(self, specs: Sequence[JobSpec]) -> None:
+        """Insert ``specs`` as queued jobs in one transaction (creating missing batch rows)."""
+        if not specs:
+            return
+        with Session(self.engine) as session, session.begin():
+            now = db_now(session)
+            batch_ids = {s.batch_id for s in specs if s.batch_id is not None}
+            if batch_ids:
+                known = set(session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids))))
+                for batch_id in sorted(batch_ids - known):
+                    first = next(s for s in specs if s.batch_id == batch_id)
+                    session.add(Batch(id=batch_id, model=first.model, meta={},
+                                      created_at=now, num_jobs=0))
+                session.flush()
+                for batch_id in batch_ids:
+                    n = sum(1 for s in specs if s.batch_id == batch_id)
+                    session.execute(update(Batch).where(Batch.id == batch_id)
+                                    .values(num_jobs=Batch.num_jobs + n))
+            session.execute(insert(Job), [_job_row(s, now) for s in specs])
+
+    def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
+                        deadline: datetime | None = None) -> None:
+        """Set a batch's completion webhook and its deadline (the batch row must exist)."""
+        values: dict[str, Any] = {}
+        if webhook_url is not None:
+            values["webhook_url"] = webhook_url
+        if deadline is not None:
+            values["deadline_at"] = deadline if deadline.tzinfo else deadline.replace(tzinfo=UTC)
+        if values:
+            with Session(self.engine) as session, session.begin():
+                session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+
+    def request_cancel(self, job_id: str, now_s: float) -> JobStatus | None:
+        """Cancel a queued job at once; flag a running one (the caller tells its worker).
+        Returns the job's status afterwards, or None for an unknown job."""
+        with Session(self.engine) as session, session.begin():
+            row = session.execute(
+                select(Job.status).where(Job.id == job_id).with_for_update()
+            ).first()
+            if row is None:
+                return None
+            status = JobStatus(row.status)
+            if status is JobStatus.QUEUED:
+                terminalize(session, Outcome(job_id, JobStatus.CANCELLED, now_s,
+                                             error="cancelled before it started"))
+                return JobStatus.CANCELLED
+            if status is JobStatus.RUNNING:
+                session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
+            return status
+
+
+def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
+    return {
+        "id": spec.id,
+        "batch_id": spec.batch_id,
+        "custom_id": spec.custom_id,
+        "model": spec.model,
+        "status": JobStatus.QUEUED.value,
+        "priority": spec.priority,
+        "spec": spec.model_dump(mode="json"),
+        "meta": spec.metadata,
+        "created_at": created_at,  # the database's clock: the reconciler's grace uses it
+        "deadline_at": spec.deadline,
+        "attempts": 0,
+        "cancel_requested": False,
+    }

@@ -1,0 +1,101 @@
+"""What every role of the store shares: the database's clock and the guarded move of jobs to a
+terminal status with their ``job_metrics`` row."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from jobs.models import Job, JobMetrics
+from jobs.schemas import ACTIVE_STATUSES, JobStats, JobStatus, Outcome
+
+ACTIVE = [s.value for s in ACTIVE_STATUSES]
+EXPIRED_UNRUN = "deadline passed before the job ran"
+EXPIRED_ERROR = {
+    JobStatus.QUEUED.value: EXPIRED_UNRUN,
+    JobStatus.RUNNING.value: "deadline passed while running (worker did not report back)",
+}
+
+
+def to_dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def aware(dt: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; everything stored is UTC.
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+
+
+def db_now(session: Session) -> datetime:
+    """The database server's clock (UTC), so that ages compare against one clock however
+    skewed producers' and workers' clocks are."""
+    if session.get_bind().dialect.name == "sqlite":  # CURRENT_TIMESTAMP has whole seconds
+        stamp = session.scalar(select(func.strftime("%Y-%m-%d %H:%M:%f", "now")))
+        return datetime.fromisoformat(str(stamp)).replace(tzinfo=UTC)
+    value = session.scalar(select(func.now()))
+    assert isinstance(value, datetime)
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def terminalize(session: Session, outcome: Outcome, worker_id: str | None = None,
+                attempts: int | None = None) -> bool:
+    """Move one active job to its terminal state with its metrics row; False if it was not
+    active (someone else finished it first)."""
+    values: dict[str, Any] = {
+        "status": outcome.status.value,
+        "finished_at": to_dt(outcome.finished_at),
+        "error": sql_text(outcome.error),
+    }
+    if worker_id is not None:
+        values["worker_id"] = worker_id
+    if attempts is not None:
+        values["attempts"] = attempts
+    result = outcome.result
+    if result is not None:
+        values.update(
+            text=sql_text(result.text),
+            token_ids=result.token_ids,
+            finish_reason=result.finish_reason,
+            logprobs=result.logprobs,
+            choices=[c.model_dump(mode="json") for c in result.choices] or None,
+        )
+    res = session.execute(
+        update(Job).where(Job.id == outcome.job_id, Job.status.in_(ACTIVE)).values(**values)
+    )
+    if res.rowcount != 1:
+        return False
+    stats = outcome.stats or JobStats()
+    session.execute(insert(JobMetrics).values(job_id=outcome.job_id, **stats.model_dump()))
+    return True
+
+
+def end_many(session: Session, rows: Sequence[tuple[str, str, str]], status: JobStatus,
+             now_s: float) -> list[tuple[str, str]]:
+    """Move many active jobs, given as (id, status before, error), to ``status`` with a
+    metrics row each, in a few statements (one per distinct error, one insert); the bulk
+    counterpart of :func:`terminalize`. Returns (id, status before) of the jobs that were
+    still active."""
+    before = {job_id: prior for job_id, prior, _ in rows}
+    by_error: dict[str, list[str]] = {}
+    for job_id, _, error in rows:
+        by_error.setdefault(error, []).append(job_id)
+    ended: list[str] = []
+    for error, ids in by_error.items():
+        ended += session.scalars(
+            update(Job).where(Job.id.in_(ids), Job.status.in_(ACTIVE))
+            .values(status=status.value, finished_at=to_dt(now_s), error=sql_text(error))
+            .returning(Job.id).execution_options(synchronize_session=False)
+        ).all()
+    if ended:
+        empty = JobStats().model_dump()
+        session.execute(insert(JobMetrics), [{"job_id": job_id, **empty} for job_id in ended])
+    return sorted((job_id, before[job_id]) for job_id in ended)
+
+
+def sql_text(value: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL; a model may emit it. token_ids keep the exact output.
+    return value.replace("\x00", "\ufffd") if value is not None else None
