@@ -24,8 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# ruff, then the package layering (import-linter contracts in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

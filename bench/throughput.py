@@ -41,8 +41,8 @@ if sys.path and Path(sys.path[0]).resolve() == REPO_ROOT / "bench":
 
 from bench.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from engine.config import cpu_has_native_bf16  # noqa: E402
 from engine.models.loader import resolve_model_dir  # noqa: E402
+from engine.runtime import cpu_has_native_bf16  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "bench" / "out"
 RESULTS_MD = REPO_ROOT / "bench" / "RESULTS.md"

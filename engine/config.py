@@ -1,29 +1,20 @@
-"""Engine configuration (validated once, frozen) and the values discovered at load time.
+"""Engine configuration: validated once, frozen, torch-free.
 
-Torch-free on import, so that the worker's settings and ``kvbatch --help`` can derive their
-flags from :class:`EngineConfig` without loading torch; the ``resolve_*`` methods import it.
+The worker's settings and ``kvbatch --help`` derive their flags from :class:`EngineConfig`
+without loading torch; what the configuration resolves to on a machine (device, dtype, block
+size) and the values discovered at load time are in ``engine.runtime``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # KV budget on the CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    import torch
-
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def _field(default: Any, help: str) -> Any:
@@ -97,41 +88,3 @@ class EngineConfig:
                 "without chunked prefill, max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})"
             )
-
-    def resolve_dtype(self, device: torch.device) -> torch.dtype:
-        import torch
-
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-    def resolve_block_size(self, device: torch.device) -> int:
-        if self.block_size is not None:
-            return self.block_size
-        return 16 if device.type == "cuda" else 8
-
-    def resolve_device(self) -> torch.device:
-        import torch
-
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' but torch sees no CUDA device")
-        return torch.device(self.device)
-
-
-@dataclass(frozen=True)
-class RuntimeInfo:
-    """Values the engine discovers when it loads the model and sizes the KV pool."""
-
-    device: torch.device
-    dtype: torch.dtype
-    attention_backend: str
-    block_size: int
-    num_kv_blocks: int
-    kv_bytes_per_block: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: frozenset[int]

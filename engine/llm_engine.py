@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig, RuntimeInfo
+from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import Processor, Prompt
+from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestMetrics, Sequence
@@ -50,9 +51,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        device = config.resolve_device()
-        block_size = config.resolve_block_size(device)
-        dtype = config.resolve_dtype(device)
+        device = resolve_device(config)
+        block_size = resolve_block_size(config, device)
+        dtype = resolve_dtype(config, device)
         model_dir = loader.resolve_model_dir(config.model)
         hf_config = loader.load_config(model_dir)
         self.tokenizer = loader.load_tokenizer(model_dir)

@@ -7,8 +7,8 @@ from collections.abc import Sequence as Seq
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.config import RuntimeInfo
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.runtime import RuntimeInfo
 from engine.sequence import RequestMetrics, Sequence
 
 Prompt = str | list[int] | list[dict[str, str]]

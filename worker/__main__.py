@@ -1,5 +1,7 @@
+"""``python -m worker``: the same as ``kvbatch worker``."""
+
 import sys
 
-from worker.main import main
+from worker.cli import main
 
-sys.exit(main())
+sys.exit(main(["worker", *sys.argv[1:]]))

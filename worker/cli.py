@@ -36,10 +36,11 @@ def _bench(bench_args: list[str]) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from worker.main import run_worker
+    from worker.main import preflight, run_worker
     from worker.settings import settings_from_args
 
     settings = settings_from_args(args)  # bad values fail here, before any logging
+    preflight(settings)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     return run_worker(settings)
 

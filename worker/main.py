@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from worker.settings import WorkerSettings
@@ -28,16 +26,25 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
     return LLMEngine(s.engine)
 
 
-def check_services(s: WorkerSettings) -> None:
-    """Fail fast: Redis answers, and the database is at this code's schema revision.
+def preflight(s: WorkerSettings) -> None:
+    """Fail fast, before the model loads: the database is at this code's schema revision,
+    Redis answers, and the model is one this machine has.
 
     Raises:
         jobs.db.SchemaNotReady: the database is missing or not migrated to head.
         redis.RedisError, sqlalchemy.exc.SQLAlchemyError: a service cannot be reached.
+        ValueError: the model is neither the default one nor a model directory.
     """
     import redis
 
+    from engine.models.loader import resolve_model_dir
     from jobs.db import check_schema, make_engine
+
+    database = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
+    try:
+        check_schema(database)
+    finally:
+        database.dispose()
 
     client = redis.Redis.from_url(s.redis_url, socket_timeout=STARTUP_TIMEOUT_S,
                                   socket_connect_timeout=STARTUP_TIMEOUT_S)
@@ -45,20 +52,16 @@ def check_services(s: WorkerSettings) -> None:
         client.ping()
     finally:
         client.close()
-    database = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
-    try:
-        check_schema(database)
-    finally:
-        database.dispose()
+    resolve_model_dir(s.engine.model)
 
 
 def run_worker(settings: WorkerSettings) -> int:
-    """Run a worker in this process until SIGTERM/SIGINT (a second signal skips the drain)."""
+    """Run a worker in this process until SIGTERM/SIGINT (a second signal skips the drain);
+    call :func:`preflight` first."""
     from prometheus_client import start_http_server
 
     from worker.loop import Worker
 
-    check_services(settings)
     worker = Worker(settings, build_engine(settings))
     if settings.metrics_port is not None:
         start_http_server(settings.metrics_port, registry=worker.metrics.registry)
@@ -73,14 +76,3 @@ def run_worker(settings: WorkerSettings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return worker.run()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m worker``: the same as ``kvbatch worker``."""
-    from worker.cli import main as cli_main
-
-    return cli_main(["worker", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

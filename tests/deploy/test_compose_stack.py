@@ -14,7 +14,7 @@ import yaml
 
 from worker.cli import build_parser
 from worker.control.settings import ControlSettings
-from worker.settings import WorkerSettings
+from worker.settings import ENGINE_FIELDS, WORKER_FIELDS, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = {"redis", "postgres", "migrate", "db-roles", "worker", "control", "prometheus",
@@ -110,7 +110,7 @@ def test_every_compose_variable_is_documented_in_env_example(compose: dict[str, 
     assert used <= documented, sorted(used - documented)
     # Every KVBATCH_* setting in the example is one the worker or control plane reads.
     settings = {"KVBATCH_" + f.upper() for f in
-                [*WorkerSettings.model_fields, *ControlSettings.model_fields]}
+                [*ENGINE_FIELDS, *WORKER_FIELDS, *ControlSettings.model_fields]}
     compose_only = {"KVBATCH_IMAGE", "KVBATCH_GPUS_PER_WORKER"}
     kvbatch = {v for v in documented if v.startswith("KVBATCH_")}
     assert kvbatch - compose_only <= settings, sorted(kvbatch - compose_only - settings)

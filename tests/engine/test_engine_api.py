@@ -166,7 +166,7 @@ def test_more_samples_than_seats_is_refused(tiny_model: Path) -> None:
 
 
 def test_auto_dtype_follows_the_cpu_and_bad_dtypes_are_refused(tiny_model: Path) -> None:
-    from engine.config import cpu_has_native_bf16
+    from engine.runtime import cpu_has_native_bf16
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="auto", num_kv_blocks=16))
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -1,0 +1,52 @@
+"""What an ``EngineConfig`` resolves to on this machine (device, dtype, block size), and the
+values the engine discovers when it loads the model and sizes the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def resolve_block_size(config: EngineConfig, device: torch.device) -> int:
+    if config.block_size is not None:
+        return config.block_size
+    return 16 if device.type == "cuda" else 8
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """Values the engine discovers when it loads the model and sizes the KV pool."""
+
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
