@@ -2,10 +2,10 @@
 
 One pass of :meth:`Worker.tick` is a visible pipeline::
 
-    pull (Redis: cancels, own pending after a restart, orphans, XREADGROUP COUNT=free capacity)
-    → decide (SQL: count the delivery, skip duplicates, dead-letter, expire) → admit (engine
-    thread) → collect outputs → persist (one SQL transaction) → flush the outbox (XACK, dead
-    letters, completion notices)
+    pull (Redis: cancels; then ``worker.intake``: own pending after a restart, orphans,
+    XREADGROUP COUNT=free capacity) → decide (``worker.intake``, SQL: count the delivery,
+    skip duplicates, dead-letter, expire) → admit (engine thread) → collect outputs →
+    persist (one SQL transaction) → flush the outbox (XACK, dead letters, completion notices)
 
 All Redis and SQL I/O happens on this thread, except the lease (``worker/heartbeat.py``) and
 the reconciler (``worker/maintenance.py``), which have their own threads so a slow pass never
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -32,17 +31,17 @@ from sqlalchemy.exc import SQLAlchemyError
 from jobs.constants import Keys
 from jobs.db import make_engine
 from jobs.queue import Delivery, JobQueue
-from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus, Outcome
-from jobs.schemas import decode_job as _decode
-from jobs.store import Decision, DeliveryStore, MaintenanceStore
+from jobs.schemas import JobSpec, JobStatus, Outcome
+from jobs.store import DeliveryStore, MaintenanceStore
 from worker.engine_thread import Abort, Add, Crashed, Engine, EngineThread, Rejected, Stepped
 from worker.heartbeat import Heartbeat
+from worker.intake import Intake
 from worker.maintenance import ReconcilerThread
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
 from worker.persist import ResultWriter
-from worker.retry import Backoff, is_outage, short_error
+from worker.retry import Backoff, short_error
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -52,8 +51,7 @@ log = logging.getLogger(__name__)
 
 CANCEL_POLL_INTERVAL_S = 1.0
 DEPTH_INTERVAL_S = 1.0
-IDLE_BLOCK_MS = 100
-# Redis calls give up after this long (XREADGROUP blocks IDLE_BLOCK_MS at most).
+# Redis calls give up after this long (XREADGROUP blocks intake.IDLE_BLOCK_MS at most).
 REDIS_SOCKET_TIMEOUT_S = 5.0
 REDIS_CONNECT_TIMEOUT_S = 5.0
 # Database calls give up after these; a pass of the loop is then bounded by a few of them.
@@ -117,17 +115,15 @@ class Worker:
                                            self.worker_id,
                                            s.reconcile_interval_s, s.reconcile_grace_s,
                                            self.metrics)
-        self._undecided: list[tuple[Delivery, JobSpec]] = []
-        self._own_backlog: list[str] = []  # entries pending on our name from a past process
-        self._live: set[str] = set()  # live workers as of the last pull
-        self._decide_backoff = Backoff()
+        self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
+                             self.metrics, worker_id=self.worker_id, model_name=s.model_name,
+                             max_deliveries=s.max_deliveries, lease_ttl_s=s.lease_ttl_s)
         self._redis_backoff = Backoff()
-        self._claim_at = self._cancels_at = self._depth_at = 0.0
+        self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()
         self._drain_until: float | None = None
         self._no_drain = False
         self._pubsub: Any = None
-        self.lease_ttl_ms = int(s.lease_ttl_s * 1000)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -146,10 +142,7 @@ class Worker:
     def run(self) -> int:
         """Work until stopped; returns the process exit code (1 if the engine crashed)."""
         self.queue.ensure_group()
-        self._own_backlog = self.queue.own_pending(self.worker_id)
-        if self._own_backlog:
-            log.info("taking back %d jobs left pending under %s", len(self._own_backlog),
-                     self.worker_id)
+        self.intake.take_back_own()
         self.heartbeat.start()
         self.reconciler.start()
         self.engine_thread.start()
@@ -176,7 +169,7 @@ class Worker:
             self._close()
 
     def _busy(self) -> bool:
-        return bool(self.held or self._undecided or self.results or self.outbox)
+        return bool(self.held or self.intake or self.results or self.outbox)
 
     def _close(self) -> None:
         self.reconciler.stop()
@@ -216,7 +209,8 @@ class Worker:
     def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
         if not self.draining:
-            self._pull(now)
+            idle = not self.held and not self.results
+            self.intake.pull(now, self.free_capacity(), self.held, idle)
         if now >= self._depth_at:
             waiting, _ = self.queue.depth()
             self.metrics.queue_depth.set(waiting)
@@ -229,86 +223,14 @@ class Worker:
         """How many more jobs to hold: the engine's slots plus a small waiting buffer."""
         s = self.settings
         # Unsaved results still hold their stream entries: a database outage stops the pull.
-        free = s.capacity - len(self.held) - len(self._undecided) - len(self.results)
+        free = s.capacity - len(self.held) - len(self.intake) - len(self.results)
         if self.engine_stats is not None and self.engine_stats.num_waiting > s.waiting_buffer:
             return 0  # the engine cannot admit what it has (KV pressure)
         return max(free, 0)
 
-    def _pull(self, now: float) -> None:
-        count = self.free_capacity()
-        if count <= 0:
-            return
-        deliveries: list[Delivery] = []
-        if self._own_backlog:  # ours from before a restart: XREADGROUP > never returns them
-            ids, self._own_backlog = self._own_backlog[:count], self._own_backlog[count:]
-            deliveries = self.queue.claim(self.worker_id, ids)[0]
-        if now >= self._claim_at and len(deliveries) < count:
-            deliveries += self.queue.claim_orphans(self.worker_id, count - len(deliveries),
-                                                   min_idle_ms=self.lease_ttl_ms // 2)
-            self._claim_at = now + self.settings.lease_ttl_s / 3
-        idle = not self.held and not self.results and not deliveries
-        deliveries += self.queue.read(self.worker_id, count - len(deliveries),
-                                      block_ms=IDLE_BLOCK_MS if idle else None)
-        if deliveries:
-            self._live = self.queue.live_workers()
-            self._accept(deliveries)
-
-    def _accept(self, deliveries: list[Delivery]) -> None:
-        now = time.time()
-        seen = {spec.id for _, spec in self._undecided} | set(self.held)
-        for d in deliveries:
-            try:
-                spec = _decode(d.payload or "")
-                if spec.id != d.job_id:
-                    raise ValueError(f"entry id field {d.job_id!r} != job id {spec.id!r}")
-            except ValueError as exc:
-                reason = f"malformed job message: {short_error(exc)}"
-                if d.job_id and _valid_id(d.job_id):
-                    self.results.add(Outcome(d.job_id, JobStatus.FAILED, now, error=reason), d)
-                else:
-                    self.outbox.dead_letter(d, reason)
-                    log.warning("dead-lettered an unreadable message (%s)", d.entry_id)
-                continue
-            if spec.model != self.settings.model_name:
-                error = (f"unknown model {spec.model!r}: this queue is served by "
-                         f"{self.settings.model_name!r}")
-                self.results.add(Outcome(spec.id, JobStatus.FAILED, now, error=error), d)
-            elif spec.id in seen:  # a second copy (e.g. re-enqueued); the first one runs
-                self.outbox.ack([d.entry_id])
-            else:
-                seen.add(spec.id)
-                self._undecided.append((d, spec))
-
     def _decide(self, now: float) -> None:
-        """Count the deliveries in SQL and act on each job's :class:`Decision`."""
-        if not self._undecided or not self._decide_backoff.ready(now):
-            return
-        batch = self._undecided
-        try:
-            decisions = self.deliveries.begin_deliveries(
-                [spec.id for _, spec in batch], self.worker_id,
-                self.settings.max_deliveries, now, live_workers=self._live)
-        except SQLAlchemyError as exc:
-            self._decide_backoff.failed(now)
-            log.log(logging.WARNING if is_outage(exc) else logging.ERROR,
-                    "could not record %d deliveries (%s); retrying", len(batch),
-                    short_error(exc))
-            return
-        self._decide_backoff.ok()
-        self._undecided = []
-        dead_reason = f"delivered more than {self.settings.max_deliveries} times"
-        for d, spec in batch:
-            decision = decisions[spec.id]
-            if decision is Decision.RUN:
-                self._admit(d, spec)
-                continue
-            if decision is Decision.DEAD:
-                self.outbox.dead_letter(d, dead_reason)
-            else:
-                self.outbox.ack([d.entry_id])
-            if decision.status is not None:
-                self.outbox.notify(spec.id, decision.status.value)
-                self.metrics.job_finished(decision.status.value)
+        for d, spec in self.intake.decide(now):
+            self._admit(d, spec)
 
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
         # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
@@ -416,12 +338,9 @@ class Worker:
                 self.deliveries.release(ids, self.worker_id)
             except SQLAlchemyError as exc:
                 log.warning("could not release %d jobs in SQL: %s", len(ids), short_error(exc))
-        log.info("handed back %d jobs (%d results unsaved)", len(ids) + len(self._undecided),
+        log.info("handed back %d jobs (%d results unsaved)", len(ids) + len(self.intake),
                  len(self.results))
         self.heartbeat.stop()
         with contextlib.suppress(redis.RedisError):
             self.queue.drop_heartbeat(self.worker_id)
 
-
-def _valid_id(job_id: str) -> bool:
-    return re.fullmatch(JOB_ID_PATTERN.strip("^$"), job_id) is not None
