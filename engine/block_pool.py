@@ -87,6 +87,13 @@ class BlockPool:
         self.cached[block_hash] = block
         self.block_hash[block] = block_hash
 
+    def forget(self, blocks: Iterable[int]) -> None:
+        """Take blocks held by one sequence only out of the prefix cache (their contents are
+        not to be trusted); shared blocks were computed by others and stay."""
+        for block in blocks:
+            if self.ref_counts[block] == 1:
+                self._evict(block)
+
     def _evict(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:

@@ -121,6 +121,11 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def forget(self, seq: Sequence) -> None:
+        """Drop the prefix-cache entries of the blocks only ``seq`` holds (before freeing it
+        after a failed step)."""
+        self.pool.forget(seq.block_table)
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

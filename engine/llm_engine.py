@@ -19,8 +19,9 @@ from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import Processor, Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
+from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from engine.sequence import RequestMetrics, Sequence
 from kernels import get_ops, resolve_backend
 
@@ -130,8 +131,10 @@ class LLMEngine:
 
         Raises:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
-                a prompt that leaves no room for one token within ``max_model_len``, or more
-                parallel samples (``n``) than ``max_num_seqs``.
+                a prompt that leaves no room for one token within ``max_model_len``, more
+                parallel samples (``n``) than ``max_num_seqs``, or sampling values this
+                model cannot take (``stop_token_ids`` outside its vocabulary, ``top_k`` or
+                ``logprobs`` larger than it).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -143,6 +146,7 @@ class LLMEngine:
             raise ValueError(
                 f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
             )
+        self._check_bounds(params)
         token_ids = self.processor.tokenize(prompt)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
@@ -157,6 +161,19 @@ class LLMEngine:
         )
         self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
         self.scheduler.add(seq)
+
+    def _check_bounds(self, params: SamplingParams) -> None:
+        # What the sampler indexes with must fit this model: a value that passed the
+        # SamplingParams rules but not these would fail its whole step.
+        vocab = self.info.vocab_size
+        outside = sorted(t for t in params.stop_token_ids if t >= vocab)
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
+                             f"(size {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; the next :meth:`step` reports it (``abort``)."""
@@ -183,7 +200,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
-        sampled = self.runner.run(batch)
+        sampled, faults = self._run_isolating_faults(batch)
+        if faults:
+            batch = _without(batch, set(faults))
+            outputs += [self._fail(request_id, error) for request_id, error in faults.items()]
         progressed = self.scheduler.update(batch, sampled)
 
         stopped: dict[str, list[Sequence]] = {}
@@ -204,6 +224,57 @@ class LLMEngine:
                 del self._requests[request_id]
             outputs.append(self._output(req, finished))
         return outputs
+
+    def _run_isolating_faults(
+        self, batch: SchedulerOutput
+    ) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
+        """Run the step; when it raises, find the requests it raises for and run the rest.
+
+        A failed batch is bisected: each half runs again (the KV it writes is the same, and
+        block copies ran with the first attempt), down to single sequences; a sequence that
+        fails alone fails its request, with the error, and the others go on. When every
+        request of a batch of several fails alone, the fault is the engine's, not theirs: it
+        is raised, and the caller gives every request back.
+        """
+        try:
+            return self.runner.run(batch), {}
+        except Exception as exc:
+            requests = {s.seq.request_id for s in batch.seqs}
+            sampled, faults = self._bisect(batch, exc)
+            if len(requests) > 1 and set(faults) == requests:
+                raise
+            log.warning("step failed (%s: %s); failed alone: %s", type(exc).__name__, exc,
+                        ", ".join(sorted(faults)))
+            return sampled, faults
+
+    def _bisect(self, batch: SchedulerOutput,
+                exc: Exception) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
+        if len(batch.seqs) == 1:
+            return {}, {batch.seqs[0].seq.request_id: f"{type(exc).__name__}: {exc}"}
+        sampled: dict[int, list[Sampled]] = {}
+        faults: dict[str, str] = {}
+        middle = len(batch.seqs) // 2
+        for part in (batch.seqs[:middle], batch.seqs[middle:]):
+            sub = _sub_batch(part)
+            try:
+                sampled |= self.runner.run(sub)
+            except Exception as sub_exc:
+                part_sampled, part_faults = self._bisect(sub, sub_exc)
+                sampled |= part_sampled
+                faults |= part_faults
+        return sampled, faults
+
+    def _fail(self, request_id: str, error: str) -> RequestOutput:
+        """End a request that made a step fail: its blocks are freed, and those only it held
+        leave the prefix cache (the forward that should have filled them may not have)."""
+        req = self._requests.pop(request_id)
+        live = [s for s in req.seqs if not s.is_finished]
+        for seq in live:
+            self.kv.forget(seq)
+        self.scheduler.finish(live, "error")
+        out = self._output(req, finished=True)
+        out.error = f"failed in the engine step: {error}"
+        return out
 
     def generate(
         self,
@@ -299,3 +370,20 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
         return int(free * config.gpu_memory_utilization)
     return DEFAULT_CPU_KV_BYTES
 
+
+def _sub_batch(seqs: tuple[ScheduledSeq, ...]) -> SchedulerOutput:
+    """A part of a step's batch, to run again on its own (its block copies already ran)."""
+    return SchedulerOutput(
+        seqs=seqs,
+        num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1),
+        block_copies=(),
+        num_batched_tokens=sum(s.num_new_tokens for s in seqs),
+    )
+
+
+def _without(batch: SchedulerOutput, request_ids: set[str]) -> SchedulerOutput:
+    """``batch`` less the sequences of ``request_ids`` (for the scheduler's update)."""
+    kept = tuple(s for s in batch.seqs if s.seq.request_id not in request_ids)
+    return SchedulerOutput(seqs=kept, num_decodes=sum(1 for s in kept if s.num_new_tokens == 1),
+                           block_copies=batch.block_copies,
+                           num_batched_tokens=sum(s.num_new_tokens for s in kept))

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 MAX_LOGPROBS = 20
+# Integer fields are 32-bit (token ids, counts); seeds are 63-bit, so that ``seed + i`` of
+# sample i of a request still fits the generator's seed.
+MAX_INT32 = 2**31 - 1
+MAX_N = 2**16
+MAX_SEED = 2**63 - 1 - MAX_N
 
 
 @dataclass(frozen=True)
@@ -61,24 +66,24 @@ class SamplingParams:
         # Normalise lists to tuples so params stay hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _check_int(self, "n", lo=1)
+        _check_int(self, "n", lo=1, hi=MAX_N)
         _check_float(self, "temperature", lo=0.0)
         _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
-        _check_int(self, "top_k", lo=0)
+        _check_int(self, "top_k", lo=0, hi=MAX_INT32)
         _check_float(self, "min_p", lo=0.0, hi=1.0)
         if self.seed is not None:
-            _check_int(self, "seed", lo=0)
-        _check_int(self, "max_tokens", lo=1)
-        _check_int(self, "min_tokens", lo=0)
+            _check_int(self, "seed", lo=0, hi=MAX_SEED)
+        _check_int(self, "max_tokens", lo=1, hi=MAX_INT32)
+        _check_int(self, "min_tokens", lo=0, hi=MAX_INT32)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT32
                    for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError("stop_token_ids must be a list of integers in [0, 2**31 - 1]")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_float(self, "repetition_penalty", lo=0.0, lo_open=True)

@@ -1,0 +1,129 @@
+"""A request that makes a step fail fails alone: bounds are checked when it is added, and a step
+that raises anyway is bisected down to the request it raises for."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+HEALTHY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPT = "a healthy co-tenant"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def alone(engine: LLMEngine) -> list[int]:
+    """The healthy request's output when it runs by itself."""
+    return engine.generate([PROMPT], HEALTHY)[0].token_ids
+
+
+def test_values_the_model_cannot_take_are_refused_when_added(engine: LLMEngine) -> None:
+    vocab = engine.info.vocab_size
+    for params, field in (
+        (SamplingParams(stop_token_ids=[vocab], min_tokens=1, max_tokens=4), "stop_token_ids"),
+        (SamplingParams(top_k=vocab + 1), "top_k"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            engine.add_request("poison", "x", params)
+        assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="top_k"):  # 2**63 overflowed inside the sampler
+        SamplingParams(top_k=2**63)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+
+
+def test_a_request_that_breaks_the_step_fails_alone(engine: LLMEngine, alone: list[int],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever raises inside the step for one request's rows: that request ends with the
+    error, the others go on with the outputs they have alone, and no block leaks."""
+    run = engine.runner.run
+
+    def run_failing_for_poison(batch):  # type: ignore[no-untyped-def]
+        if any(s.seq.request_id == "poison" for s in batch.seqs):
+            raise IndexError("index 49152 is out of bounds for dimension 1 with size 49152")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run_failing_for_poison)
+    free = engine.kv.pool.num_free_blocks
+    for i in range(3):
+        engine.add_request(f"ok-{i}", PROMPT, HEALTHY)
+    engine.add_request("poison", "poison prompt", HEALTHY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["poison"].finish_reason == "error"
+    assert "IndexError: index 49152 is out of bounds" in (done["poison"].error or "")
+    assert all(done[f"ok-{i}"].token_ids == alone and done[f"ok-{i}"].error is None
+               for i in range(3))
+    assert engine.kv.pool.num_free_blocks == free
+
+
+def test_an_engine_wide_fault_is_raised_not_blamed_on_requests(
+        engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(batch):  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    engine.add_request("a", PROMPT, HEALTHY)
+    engine.add_request("b", PROMPT + "!", HEALTHY)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.step()
+    engine.abort_request("a")
+    engine.abort_request("b")
+    monkeypatch.undo()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+sampling = st.fixed_dictionaries({}, optional={
+    "n": st.integers(1, 4),
+    "temperature": st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    "top_p": st.sampled_from([0.01, 0.5, 1.0]),
+    "top_k": st.one_of(st.integers(0, 300), st.integers(2**31 - 8, 2**31 - 1)),
+    "min_p": st.sampled_from([0.0, 0.3, 1.0]),
+    "seed": st.one_of(st.none(), st.integers(0, 2**62)),
+    "max_tokens": st.integers(1, 8),
+    "min_tokens": st.integers(0, 2),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 2**31 - 1), max_size=3),
+    "ignore_eos": st.booleans(),
+    "repetition_penalty": st.sampled_from([0.5, 1.0, 1.5]),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=sampling, prompt=st.one_of(st.text(max_size=20),
+                                         st.lists(st.integers(-5, 2**20), max_size=6)))
+def test_random_requests_never_hurt_a_healthy_neighbour(
+        engine: LLMEngine, alone: list[int], params: dict, prompt: str | list[int]) -> None:
+    """Any combination the job schema accepts: it is refused when added, fails alone, or
+    runs; the healthy request next to it finishes with the output it has alone."""
+    try:
+        p = SamplingParams(**params)
+    except ValueError:
+        return  # refused at submission, with the field named
+    engine.add_request("healthy", PROMPT, HEALTHY)
+    with contextlib.suppress(ValueError):
+        engine.add_request("random", prompt, p)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():  # never raises for one request's sake
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs["healthy"].token_ids == alone
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
