@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL, Keys
 from jobs.db import as_engine
 from jobs.follow import Follower
+from jobs.limits import JobLimits
 from jobs.queue import JobQueue, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
 from jobs.stats import Stats, aggregate
@@ -51,21 +52,28 @@ class JobClient:
         self.engine = as_engine(database)
         self.producer = ProducerStore(self.engine)
         self.reader = JobReader(self.engine)
+        self.limits = JobLimits()
 
     def close(self) -> None:
         """Release the Redis and database connections."""
         self.redis.close()
         self.engine.dispose()
 
+    def check(self, spec: JobSpec) -> None:
+        """Raise ``ValueError`` when ``spec`` is over a limit: its wire size
+        (``MAX_PAYLOAD_BYTES``) or one of :class:`jobs.limits.JobLimits`."""
+        encode_job(spec)
+        self.limits.check(spec)
+
     def submit(self, specs: Sequence[JobSpec]) -> list[str]:
         """Record ``specs`` as queued (one SQL transaction), then add them to their streams.
 
         Once this returns the jobs are durable: if the XADD fails, the reconciler enqueues
-        them later. Raises ``ValueError`` for a payload over the size limit and SQLAlchemy's
+        them later. Raises ``ValueError`` for a job over a limit (:meth:`check`) and SQLAlchemy's
         ``IntegrityError`` for a duplicate id or (batch_id, custom_id).
         """
         for spec in specs:
-            encode_job(spec)  # size check before anything is stored
+            self.check(spec)  # before anything is stored
         self.producer.insert_jobs(specs)
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:

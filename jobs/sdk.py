@@ -243,6 +243,8 @@ class Client:
         Raises:
             pydantic.ValidationError: invalid arguments (a sampling value out of range
                 included: the message names the field); nothing was stored or enqueued.
+            ValueError: the job is over a limit (``jobs.limits.JobLimits``: prompt bytes,
+                n x max_tokens, stop strings, estimated result size); nothing was stored.
         """
         sampling = _given(sampling, max_tokens=max_tokens, temperature=temperature)
         spec = JobSpec.model_validate({
@@ -278,7 +280,8 @@ class Client:
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
         Raises:
-            ValueError: a malformed row (its index is named); nothing was enqueued.
+            ValueError: a malformed row, or one over a limit (its index is named); nothing
+                was enqueued.
             pydantic.ValidationError: as ``ValueError``, from the job schema.
         """
         batch_id = batch_id or f"batch-{uuid.uuid4().hex[:16]}"
@@ -286,9 +289,11 @@ class Client:
         for index, raw in enumerate(rows):
             try:
                 row = raw if isinstance(raw, Row) else parse_row(raw, index)
-                specs.append(row_spec(row, model=model or self.model, batch_id=batch_id,
-                                      system_prompt=system_prompt, defaults=defaults,
-                                      priority=priority, deadline=deadline))
+                spec = row_spec(row, model=model or self.model, batch_id=batch_id,
+                                system_prompt=system_prompt, defaults=defaults,
+                                priority=priority, deadline=deadline)
+                self.jobs.check(spec)
+                specs.append(spec)
             except ValidationError as exc:
                 raise ValueError(f"row {index}: {_brief(exc)}") from exc
             except ValueError as exc:

@@ -2,7 +2,8 @@
 
 :meth:`Intake.pull` reads what the worker has room for (its own pending entries after a
 restart, orphans of dead workers, new entries) and parses each one: a malformed job, a job of
-another model or a second copy is settled at once and never reaches the engine.
+another model, one over a limit (``jobs.limits``) or a second copy is settled at once and
+never reaches the engine.
 :meth:`Intake.decide` counts the deliveries in SQL (``DeliveryStore.begin_deliveries``) and
 returns the jobs to run; the others are acknowledged, dead-lettered or announced here.
 """
@@ -16,6 +17,7 @@ from collections.abc import Collection
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from jobs.limits import JobLimits
 from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus, Outcome, decode_job
 from jobs.store import Decision, DeliveryStore
@@ -33,9 +35,9 @@ class Intake:
     """Deliveries not yet decided, and how to pull and decide them."""
 
     def __init__(self, queue: JobQueue, deliveries: DeliveryStore, results: ResultWriter,
-                 outbox: Outbox, metrics: WorkerMetrics, *, worker_id: str, model_name: str,
-                 max_deliveries: int, lease_ttl_s: float) -> None:
-        self.queue, self.deliveries = queue, deliveries
+                 outbox: Outbox, metrics: WorkerMetrics, limits: JobLimits, *, worker_id: str,
+                 model_name: str, max_deliveries: int, lease_ttl_s: float) -> None:
+        self.queue, self.deliveries, self.limits = queue, deliveries, limits
         self.results, self.outbox, self.metrics = results, outbox, metrics
         self.worker_id, self.model_name = worker_id, model_name
         self.max_deliveries, self.lease_ttl_s = max_deliveries, lease_ttl_s
@@ -91,14 +93,24 @@ class Intake:
                     self.outbox.dead_letter(d, reason)
                     log.warning("dead-lettered an unreadable message (%s)", d.entry_id)
                 continue
-            if spec.model != self.model_name:
-                error = f"unknown model {spec.model!r}: this queue is served by {self.model_name!r}"
+            error = self._refusal(spec)
+            if error is not None:
                 self.results.add(Outcome(spec.id, JobStatus.FAILED, now, error=error), d)
             elif spec.id in seen:  # a second copy (e.g. re-enqueued); the first one runs
                 self.outbox.ack([d.entry_id])
             else:
                 seen.add(spec.id)
                 self.undecided.append((d, spec))
+
+    def _refusal(self, spec: JobSpec) -> str | None:
+        """Why ``spec`` never reaches the engine (checked here, off the engine thread)."""
+        if spec.model != self.model_name:
+            return f"unknown model {spec.model!r}: this queue is served by {self.model_name!r}"
+        try:
+            self.limits.check(spec)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def decide(self, now: float) -> list[tuple[Delivery, JobSpec]]:
         """Count the deliveries in SQL and act on each job's :class:`Decision`; return the

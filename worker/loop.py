@@ -30,6 +30,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.constants import Keys
 from jobs.db import make_engine
+from jobs.limits import JobLimits
 from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore, MaintenanceStore
@@ -115,9 +116,11 @@ class Worker:
                                            self.worker_id,
                                            s.reconcile_interval_s, s.reconcile_grace_s,
                                            self.metrics)
+        self.limits = JobLimits()
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
-                             self.metrics, worker_id=self.worker_id, model_name=s.model_name,
-                             max_deliveries=s.max_deliveries, lease_ttl_s=s.lease_ttl_s)
+                             self.metrics, self.limits, worker_id=self.worker_id,
+                             model_name=s.model_name, max_deliveries=s.max_deliveries,
+                             lease_ttl_s=s.lease_ttl_s)
         self._redis_backoff = Backoff()
         self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()
@@ -307,7 +310,8 @@ class Worker:
                 self.results.add(self._outcome(h, out), h.delivery)
 
     def _outcome(self, h: Held, out: RequestOutput) -> Outcome:
-        outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as)
+        outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as,
+                                 self.limits.max_result_bytes)
         stats = outcome.stats
         assert stats is not None
         for value, hist in ((stats.queue_wait_s, self.metrics.queue_time),

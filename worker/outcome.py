@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
-                   abort_as: JobStatus | None) -> Outcome:
+                   abort_as: JobStatus | None, max_result_bytes: int | None = None) -> Outcome:
     """The terminal outcome of ``spec`` from its finished engine output ``out``.
 
     Args:
@@ -25,6 +25,8 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         spec: the job.
         admitted_at: ``time.time()`` when the worker handed the job to the engine.
         abort_as: why the worker aborted it (CANCELLED or EXPIRED), if it did.
+        max_result_bytes: a result larger than this (as JSON) is not stored: the job fails
+            with its size and the limit, its statistics kept.
     """
     reason = out.finish_reason
     error = None
@@ -71,6 +73,12 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
                     completion_tokens=m.num_generated_tokens),
         choices=choices if len(choices) > 1 else [],
     )
+    if max_result_bytes is not None:
+        size = len(result.model_dump_json().encode())
+        if size > max_result_bytes:
+            return Outcome(spec.id, JobStatus.FAILED, time.time(), stats=stats,
+                           error=f"result is {size} bytes, over the limit of {max_result_bytes} "
+                                 "(KVBATCH_MAX_RESULT_BYTES): lower n, max_tokens or logprobs")
     return Outcome(spec.id, status, time.time(), error=error, result=result, stats=stats)
 
 

@@ -1,0 +1,96 @@
+"""Hardening against poison jobs and oversized asks, on a live in-thread worker: a bad job
+fails alone with a reason naming what is wrong; its neighbours run once and succeed."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import redis
+import sqlalchemy as sa
+
+from jobs.client import JobClient
+from jobs.constants import FIELD_ID, FIELD_JOB, Keys
+from jobs.queue import JobQueue
+from jobs.schemas import JobSpec, JobStatus
+
+MODEL = "tiny"
+OUTSIDE_VOCAB = 100_000  # the tiny model's byte tokenizer has a few hundred tokens
+
+
+def _job(i: int, **sampling: object) -> JobSpec:
+    return JobSpec(model=MODEL, prompt=f"job {i}",
+                   sampling={"temperature": 0.0, "max_tokens": 6, **sampling})
+
+
+def _inject(redis_client: redis.Redis, keys: Keys, client: JobClient, spec: JobSpec,
+            **raw: object) -> None:
+    """Store ``spec`` as a producer would, then put a different payload on the stream: what a
+    client that skips the SDK's checks could send."""
+    client.producer.insert_jobs([spec])
+    payload = {**spec.model_dump(mode="json"), **raw}
+    redis_client.xadd(JobQueue(redis_client, MODEL, keys).stream,
+                      {FIELD_ID: spec.id, FIELD_JOB: json.dumps(payload)})
+
+
+def test_one_poison_job_among_fifty_fails_alone(redis_client: redis.Redis, keys: Keys,
+                                                pg_engine: sa.Engine, start_worker) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    good = [_job(i) for i in range(49)]
+    # Passes every rule that needs no model (the vocabulary is the worker's to know), then
+    # made the sampler index past the vocabulary and took the whole step down.
+    poison = _job(99, stop_token_ids=[OUTSIDE_VOCAB], min_tokens=1)
+    ids = client.submit([*good[:25], poison, *good[25:]])
+    overflow = _job(100)  # top_k 2**63 overflowed in the sampler; refused when decoded now
+    _inject(redis_client, keys, client, overflow,
+            sampling={"temperature": 0.0, "max_tokens": 6, "top_k": 2**63})
+    running = start_worker(max_model_len=256)
+    infos = {i.id: i for i in client.wait([*ids, overflow.id], timeout_s=120)}
+    for spec in good:
+        info = infos[spec.id]
+        assert info.status is JobStatus.SUCCEEDED and info.attempts == 1, (info.status,
+                                                                         info.error)
+    assert infos[poison.id].status is JobStatus.FAILED and infos[poison.id].attempts == 1
+    assert f"stop_token_ids [{OUTSIDE_VOCAB}] are outside the vocabulary" in infos[poison.id].error
+    assert infos[overflow.id].status is JobStatus.FAILED
+    assert "top_k must be in [0, 2147483647]" in infos[overflow.id].error
+    assert running.thread.is_alive() and running.rc is None  # the worker keeps serving
+
+
+def test_oversized_asks_are_refused_at_submission(redis_client: redis.Redis, keys: Keys,
+                                                  pg_engine: sa.Engine) -> None:
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    cases = [
+        # a 447-byte request once stored a 10.7 MB result
+        (_job(0, n=8, temperature=1.0, max_tokens=2000, logprobs=20), "KVBATCH_MAX_RESULT_BYTES"),
+        (_job(1, n=2, temperature=1.0, max_tokens=40_000), "n x max_tokens is 80000"),
+        (_job(2, stop=[f"s{i}" for i in range(10_000)]), "stop has 10000 strings"),
+        (_job(3, stop=["x" * 300]), "300 characters"),
+        (JobSpec(model=MODEL, prompt="p" * (600 * 1024)), "prompt is 614400 bytes"),
+    ]
+    for spec, reason in cases:
+        with pytest.raises(ValueError, match=reason):
+            client.submit([spec])
+    assert client.count_by_status() == {}
+
+
+def test_the_worker_enforces_the_limits_too(redis_client: redis.Redis, keys: Keys,
+                                            pg_engine: sa.Engine, start_worker,  # type: ignore[no-untyped-def]
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    big_prompt = _job(0)
+    _inject(redis_client, keys, client, big_prompt, prompt="p" * (600 * 1024))
+    wordy = _job(1, n=4, temperature=1.0, max_tokens=32, ignore_eos=True)
+    fine = _job(2)
+    ids = client.submit([wordy, fine])  # within the producer's limits
+    monkeypatch.setenv("KVBATCH_MAX_RESULT_BYTES", "1024")  # a stricter worker
+    start_worker(max_model_len=256)
+    infos = {i.id: i for i in client.wait([*ids, big_prompt.id], timeout_s=120)}
+    assert infos[big_prompt.id].status is JobStatus.FAILED
+    assert "prompt is 614400 bytes, over the limit" in infos[big_prompt.id].error
+    assert infos[wordy.id].status is JobStatus.FAILED and infos[wordy.id].result is None
+    assert re.match(r"result is \d+ bytes, over the limit of 1024 \(KVBATCH_MAX_RESULT_BYTES\)",
+                    infos[wordy.id].error)
+    assert infos[wordy.id].stats.generated_tokens == 4 * 32  # the work is still accounted
+    assert infos[fine.id].status is JobStatus.SUCCEEDED
