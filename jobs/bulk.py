@@ -10,10 +10,10 @@ nothing, whether those rows finished meanwhile or are still queued.
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import sys
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,10 +62,20 @@ class RunTally:
     started: float = field(default_factory=time.monotonic)
 
 
-def default_batch_id(input_path: Path, output: Path) -> str:
-    """A batch id that is the same each time the same command runs."""
-    key = f"{input_path.resolve()}\n{output.resolve()}"
-    return "ds-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+def batch_id_file(output: Path) -> Path:
+    """Where the batch of ``output`` is recorded, so that running the command again resumes it."""
+    return output.with_name(output.name + ".batch")
+
+
+def resume_batch_id(output: Path, given: str | None = None) -> str:
+    """The batch of ``output``: ``given``, else the one an earlier run recorded beside it, else
+    a new random (unguessable) one."""
+    if given:
+        return given
+    recorded = batch_id_file(output)
+    if recorded.is_file():
+        return recorded.read_text().strip()
+    return f"ds-{uuid.uuid4().hex}"
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -89,6 +99,15 @@ def read_rows(path: Path) -> list[Row]:
     return rows
 
 
+def _custom_id(path: Path, line_no: int, line: str) -> str:
+    try:
+        return str(json.loads(line)["custom_id"])
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(f"{path}:{line_no}: not a result line (JSON with a custom_id); "
+                         "refusing to append to a file that is not a kvbatch results "
+                         "file") from None
+
+
 class OutputFiles:
     """Result lines appended as jobs finish, flushed line by line.
 
@@ -105,11 +124,18 @@ class OutputFiles:
         if path.exists():
             data = path.read_bytes()
             complete = data[: data.rfind(b"\n") + 1]
-            if len(complete) != len(data):
-                path.write_bytes(complete)
-            for line in complete.decode().splitlines():
-                if line.strip():
-                    self.done.add(str(json.loads(line)["custom_id"]))
+            partial = data[len(complete):]
+            # Read everything before changing anything: a file that is not a results file
+            # is refused untouched.
+            done = {_custom_id(path, n, line)
+                    for n, line in enumerate(complete.decode(errors="replace").splitlines(), 1)
+                    if line.strip()}
+            if partial and not partial.lstrip().startswith(b"{"):
+                raise ValueError(f"{path}: its last line is not a result line; refusing to "
+                                 "append to a file that is not a kvbatch results file")
+            self.done |= done
+            if partial:
+                path.write_bytes(complete)  # a line cut off by a kill: written again
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.open("a")
 
@@ -133,6 +159,7 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
     files = OutputFiles(opts.output, opts.errors)
     tally = RunTally()
     try:
+        batch_id_file(opts.output).write_text(opts.batch_id + "\n")
         todo = [r for r in rows if r.custom_id not in files.done]
         tally.skipped = len(rows) - len(todo)
         batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,

@@ -117,6 +117,10 @@ class JobClient:
             self.submit(new[start:start + chunk_size])
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
+    def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
+        """(webhook URL, deadline) of a batch; None when it does not exist yet."""
+        return self.reader.batch_settings(batch_id)
+
     def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
                         deadline: datetime | None = None) -> None:
         """Set a batch's completion webhook and deadline (the batch must exist)."""

@@ -41,7 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     submit.add_argument("--top-p", type=float, help="default for rows that set none")
     submit.add_argument("--seed", type=int, help="default for rows that set none")
     submit.add_argument("--priority", type=int, default=0, help="lower runs first")
-    submit.add_argument("--batch-id", help="default: derived from the input and output paths")
+    submit.add_argument("--batch-id", help="default: the one recorded in OUTPUT.batch by an "
+                                           "earlier run (resume), else a new random id")
     submit.add_argument("--webhook-url",
                         help="POSTed the batch's completion event (by kvbatch control)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
@@ -82,7 +83,7 @@ def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from jobs.bulk import BulkOptions, default_batch_id, read_rows, run_bulk
+    from jobs.bulk import BulkOptions, read_rows, resume_batch_id, run_bulk
 
     try:
         rows = read_rows(args.input)
@@ -94,7 +95,7 @@ def _submit(args: argparse.Namespace) -> int:
                                   ("seed", args.seed)) if v is not None}
     opts = BulkOptions(
         output=args.output, errors=None if args.errors == "inline" else Path(args.errors),
-        batch_id=args.batch_id or default_batch_id(args.input, args.output), model=args.model,
+        batch_id=resume_batch_id(args.output, args.batch_id), model=args.model,
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
         webhook_url=args.webhook_url, progress=args.progress,
     )

@@ -26,7 +26,7 @@ from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
 from jobs.rows import parse_row
 from jobs.sdk import Client
-from jobs.settings import ConnectionSettings
+from jobs.settings import ConnectionSettings, mask_url
 from jobs.stats import aggregate
 from jobs.tables import format_job_rows, format_stats
 
@@ -112,7 +112,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(format_job_rows(stats_rows))
         print("\naggregate:")
         print(format_stats(aggregate(stats_rows)))
-        print(f"\nresults: {output}\ndatabase: {database_url}")
+        print(f"\nresults: {output}\ndatabase: {mask_url(database_url)}")
     return 0
 
 
@@ -137,10 +137,11 @@ def _worker(args: argparse.Namespace, redis_url: str, database_url: str, key_pre
             log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``kvbatch worker`` in the background; stopped (SIGTERM, drain) when the context ends."""
     cmd = [sys.executable, "-m", "worker", "--model", args.model, "--dtype", args.dtype,
-           "--redis-url", redis_url, "--database-url", database_url,
            "--key-prefix", key_prefix, "--drain-timeout-s", "5"]
+    # The URLs go through the environment: a command line is readable by every user (ps).
+    env = {**os.environ, "KVBATCH_REDIS_URL": redis_url, "KVBATCH_DATABASE_URL": database_url}
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc
     finally:

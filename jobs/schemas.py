@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,6 +25,10 @@ from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
+# Served model names: printable, no spaces or control characters (they reach terminals, logs
+# and Redis key names); a Hugging Face directory path fits.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$"
+WEBHOOK_URL_MAX_CHARS = 2048
 
 
 class JobStatus(StrEnum):
@@ -88,7 +93,7 @@ class JobSpec(_Strict):
     id: str = Field(default_factory=new_job_id, pattern=JOB_ID_PATTERN)
     batch_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
     custom_id: str | None = Field(default=None, max_length=255)
-    model: str = Field(min_length=1, max_length=255)
+    model: str = Field(pattern=MODEL_NAME_PATTERN)
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
@@ -135,6 +140,29 @@ class JobSpec(_Strict):
     def expired(self, now_s: float | None = None) -> bool:
         now_s = time.time() if now_s is None else now_s
         return self.deadline is not None and self.deadline.timestamp() <= now_s
+
+
+def check_webhook_url(url: str) -> str:
+    """``url`` if it is an absolute ``http(s)`` URL with a host and no credentials, spaces or
+    control characters; else ``ValueError`` saying why. (Where it may point is checked when
+    the event is sent, against the addresses its host resolves to then.)"""
+    if len(url) > WEBHOOK_URL_MAX_CHARS:
+        raise ValueError(f"webhook URL is over {WEBHOOK_URL_MAX_CHARS} characters")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError("webhook URL contains spaces or control characters")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"webhook URL must be http(s), got {parts.scheme or 'no'} scheme")
+    if not parts.hostname:
+        raise ValueError("webhook URL has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("webhook URL must not carry credentials (sign events with "
+                         "KVBATCH_WEBHOOK_SECRET instead)")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number in range
+    except ValueError as exc:
+        raise ValueError(f"webhook URL: {exc}") from None
+    return url
 
 
 def _unstorable_text(value: Any) -> str | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
 from jobs.rows import Row, RowKind, parse_row
-from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus
+from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
 from jobs.settings import connection_settings
 from jobs.stats import Stats
 
@@ -275,7 +275,9 @@ class Client:
             deadline: every row expires if not finished by then; the batch is marked expired
                 then too (by the control plane).
             webhook_url: POSTed the batch's completion event by the control plane
-                (``kvbatch control``), with retries.
+                (``kvbatch control``), with retries; an ``http(s)`` URL, checked here. The
+                webhook and the deadline belong to the batch's first submission: a later one
+                naming other values is refused.
             chunk_size: rows per SQL transaction and Redis pipeline.
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
@@ -284,7 +286,17 @@ class Client:
                 was enqueued.
             pydantic.ValidationError: as ``ValueError``, from the job schema.
         """
-        batch_id = batch_id or f"batch-{uuid.uuid4().hex[:16]}"
+        batch_id = batch_id or f"batch-{uuid.uuid4().hex}"
+        if webhook_url is not None:
+            check_webhook_url(webhook_url)
+        if deadline is not None and deadline.tzinfo is None:
+            deadline = deadline.replace(tzinfo=UTC)
+        current = self.jobs.batch_settings(batch_id)
+        if current is not None and (
+                (webhook_url is not None and webhook_url != current[0])
+                or (deadline is not None and deadline != current[1])):
+            raise ValueError(f"batch {batch_id!r} exists: its webhook and deadline were set by "
+                             "its first submission and cannot be changed by another")
         specs = []
         for index, raw in enumerate(rows):
             try:
@@ -299,7 +311,7 @@ class Client:
             except ValueError as exc:
                 raise ValueError(f"row {index}: {exc}") from exc
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size)
-        if specs and (webhook_url is not None or deadline is not None):
+        if current is None and specs and (webhook_url is not None or deadline is not None):
             self.jobs.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
         return BatchHandle(self.jobs, batch_id, job_ids)
 

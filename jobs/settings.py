@@ -7,6 +7,9 @@ alike, so one environment file serves them all.
 
 from __future__ import annotations
 
+import re
+from urllib.parse import urlsplit, urlunsplit
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -32,3 +35,21 @@ def connection_settings(redis_url: str | None = None, database_url: str | None =
     """Explicit values, else the ``KVBATCH_*`` environment, else the defaults."""
     given = {"redis_url": redis_url, "database_url": database_url, "key_prefix": key_prefix}
     return ConnectionSettings(**{k: v for k, v in given.items() if v is not None})
+
+
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>]+", re.IGNORECASE)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***``: for printing and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every URL in it replaced by ``<url>``: for errors stored where readers of
+    the database (dashboards) see them."""
+    return _URL.sub("<url>", text)

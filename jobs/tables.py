@@ -32,7 +32,15 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
+    return printable(str(value))
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (``\\x1b``, ``\\n``): what a job or a model
+    name carries never reaches the terminal as an escape sequence."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def human_bytes(n: float) -> str:

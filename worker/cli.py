@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from jobs.commands import add_commands
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
+from jobs.tables import printable
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -117,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if args.debug:
             raise
-        print(f"kvbatch {args.command}: {error_line(exc)}", file=sys.stderr)
+        print(f"kvbatch {args.command}: {printable(error_line(exc))}", file=sys.stderr)
         return 1
 
 

@@ -64,7 +64,8 @@ def run_worker(settings: WorkerSettings) -> int:
 
     worker = Worker(settings, build_engine(settings))
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, registry=worker.metrics.registry)
+        start_http_server(settings.metrics_port, addr=settings.metrics_host,
+                          registry=worker.metrics.registry)
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -13,17 +13,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import socket
 import types
 import typing
 import uuid
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import Field, create_model, field_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
 from jobs.constants import DEFAULT_MAX_DELIVERIES
+from jobs.schemas import MODEL_NAME_PATTERN
 from jobs.settings import ENV_PREFIX, ConnectionSettings
 
 
@@ -67,6 +69,8 @@ class WorkerSettings(ConnectionSettings):
     worker_id: str = Field(default_factory=default_worker_id, min_length=1, max_length=128,
                            pattern=r"^[^\s]+$", description="default: host-pid-random")
     metrics_port: int | None = Field(None, description="serve Prometheus /metrics on this port")
+    metrics_host: str = Field("127.0.0.1", description="address /metrics listens on (0.0.0.0 "
+                                                       "to be scraped from other hosts)")
     waiting_buffer: int = Field(8, ge=0, description="jobs held beyond max_num_seqs")
     lease_ttl_s: float = Field(10.0, gt=0, description="heartbeat TTL; dead workers' jobs "
                                                        "are claimed after it")
@@ -85,6 +89,13 @@ class WorkerSettings(ConnectionSettings):
     def _engine_from_env(cls, value: Any) -> Any:
         # KVBATCH_ENGINE is not a setting: the engine comes from its own fields' variables.
         return engine_config() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _servable_name(self) -> WorkerSettings:
+        if not re.fullmatch(MODEL_NAME_PATTERN, self.model_name):
+            raise ValueError(f"served model name {self.model_name!r} is not one jobs can name "
+                             f"({MODEL_NAME_PATTERN}); give --served-model-name")
+        return self
 
     @property
     def model_name(self) -> str:

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from jobs.models import Batch, Job
 from jobs.schemas import BatchStatus
+from jobs.settings import redact_urls
 from jobs.store.transitions import ACTIVE, aware, db_now, to_dt
 
 
@@ -89,10 +90,11 @@ class BatchStore:
     def record_webhook_attempt(self, batch_id: str, now_s: float, error: str | None,
                                max_attempts: int, retry_in_s: float,
                                delivered: bool | None = None) -> bool:
-        """Count one finalization attempt (export or webhook) with its error, if any; True
-        when the batch is now finalized: delivered (default: no error), or the last attempt
-        failed."""
+        """Count one finalization attempt (export or webhook) with its error, if any (URLs in
+        it redacted: the column is readable by dashboards); True when the batch is now
+        finalized: delivered (default: no error), or the last attempt failed."""
         delivered = error is None if delivered is None else delivered
+        error = None if error is None else redact_urls(error)
         with Session(self.engine) as session, session.begin():
             attempts = session.scalar(
                 update(Batch).where(Batch.id == batch_id)

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import DateTime, Engine, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from jobs.models import Job, JobMetrics
+from jobs.models import Batch, Job, JobMetrics
 from jobs.schemas import Choice, JobInfo, JobResult, JobStats, JobStatus, Usage
 from jobs.store.transitions import ACTIVE, aware
 
@@ -53,6 +53,14 @@ class JobReader:
                 select(Job.id, Job.custom_id, Job.status).where(Job.batch_id == batch_id)
             ).all()
         return [(r.id, r.custom_id, JobStatus(r.status)) for r in rows]
+
+    def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
+        """(webhook URL, deadline) of batch ``batch_id``; None when there is no such batch."""
+        with Session(self.engine) as session:
+            row = session.execute(
+                select(Batch.webhook_url, Batch.deadline_at).where(Batch.id == batch_id)
+            ).first()
+        return None if row is None else (row.webhook_url, aware(row.deadline_at))
 
     def batch_job_ids(self, batch_id: str, after: str = "", limit: int = 500) -> list[str]:
         """A page of the ids of ``batch_id``'s jobs, in id order, after ``after``."""

@@ -46,11 +46,16 @@ def test_services_health_checks_and_restart_policies(compose: dict[str, Any]) ->
         assert {"interval", "timeout", "retries"} <= set(check), name
 
 
-def test_redis_persists_and_never_evicts(compose: dict[str, Any]) -> None:
-    command = compose["services"]["redis"]["command"]
+def test_redis_persists_never_evicts_and_asks_for_a_password(compose: dict[str, Any]) -> None:
+    redis_svc = compose["services"]["redis"]
+    command = redis_svc["command"]
     flags = dict(zip(command[1::2], command[2::2], strict=True))
     assert flags["--appendonly"] == "yes"
     assert flags["--maxmemory-policy"] == "noeviction"
+    assert flags["--requirepass"] == "${REDIS_PASSWORD:?set REDIS_PASSWORD in .env}"
+    assert "REDISCLI_AUTH" in redis_svc["healthcheck"]["test"][1]  # the check logs in too
+    worker = compose["services"]["worker"]["environment"]
+    assert worker["KVBATCH_METRICS_HOST"] == "0.0.0.0"  # 127.0.0.1 outside compose
     assert ("redis-data", "/data") in mounts(compose["services"]["redis"])
 
 
@@ -65,7 +70,8 @@ def test_kvbatch_services_run_valid_commands_after_migrations(compose: dict[str,
         env = svc["environment"]
         assert env["KVBATCH_DATABASE_URL"].startswith("postgresql://")
         assert env["KVBATCH_DATABASE_URL"].split("@")[1].startswith("postgres:5432/")
-        assert env["KVBATCH_REDIS_URL"] == "redis://redis:6379/0"
+        assert env["KVBATCH_REDIS_URL"] == (
+            "redis://:${REDIS_PASSWORD:?set REDIS_PASSWORD in .env}@redis:6379/0")
         deps = svc["depends_on"]
         assert deps["postgres"]["condition"] == "service_healthy", name
         if name != "migrate":

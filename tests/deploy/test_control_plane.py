@@ -39,7 +39,11 @@ def settings_for(keys: Keys, database_url: str, **overrides: Any) -> ControlSett
 
     values: dict[str, Any] = {"redis_url": REDIS_URL, "database_url": database_url,
                               "key_prefix": keys.prefix, "batch_settle_s": 0.0,
-                              "webhook_timeout_s": 5.0, "webhook_backoff_s": 30.0}
+                              "webhook_timeout_s": 5.0, "webhook_backoff_s": 30.0,
+                              # the receivers listen on loopback, which webhooks may not reach
+                              # unless allowed; events are signed unless allowed otherwise
+                              "webhook_allow_networks": "127.0.0.0/8",
+                              "webhook_allow_unsigned": True}
     values.update(overrides)
     return ControlSettings(**values)
 
@@ -243,8 +247,9 @@ def test_finalize_completes_exports_publishes_and_posts_once(
     assert redis_client.get(keys.batch_done("done")) == "completed"
     assert receiver.events() == [expected]
     headers, body = receiver.requests[0]
-    signature = hmac.new(b"s3cret", body, hashlib.sha256).hexdigest()
-    assert headers["X-Kvbatch-Signature"] == f"sha256={signature}"
+    stamp, mac = (part.split("=", 1)[1] for part in headers["X-Kvbatch-Signature"].split(","))
+    assert abs(int(stamp) - time.time()) < 60  # a receiver refuses old stamps: no replays
+    assert mac == hmac.new(b"s3cret", f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
     assert headers["Idempotency-Key"] == "done"
 
     # Idempotent: nothing is due any more, and a direct re-run of the batch does nothing.

@@ -30,13 +30,20 @@ def event(reader: JobReader, batch: BatchState, results_path: str | None) -> dic
 
 def export_results(reader: JobReader, batch_id: str, export_dir: str) -> str:
     """Write every job of the batch (as ``JobInfo`` JSON, one per line, by job id) to
-    ``<export_dir>/<batch_id>.jsonl``; the file appears complete or not at all."""
+    ``<export_dir>/<batch_id>.jsonl``; the file appears complete or not at all, and only
+    inside ``export_dir`` (``ValueError`` otherwise; a symlink in the way is an ``OSError``)."""
     directory = Path(export_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{batch_id}.jsonl"
+    directory = directory.resolve()
+    # The id comes from SQL: whatever it holds, the file stays inside the export directory,
+    # and no symlink planted there redirects the write.
+    path = (directory / f"{batch_id}.jsonl").resolve()
+    if path.parent != directory:
+        raise ValueError(f"batch id {batch_id!r} would be exported outside {directory}")
     tmp = path.with_name(path.name + ".tmp")
     last = ""
-    with open(tmp, "w", encoding="utf-8") as out:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+    with os.fdopen(os.open(tmp, flags, 0o640), "w", encoding="utf-8") as out:
         while True:
             ids = reader.batch_job_ids(batch_id, after=last, limit=EXPORT_CHUNK)
             for info in sorted(reader.get_many(ids), key=lambda i: i.id):

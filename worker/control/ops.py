@@ -136,7 +136,8 @@ def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
             return "gave-up"
         svc.batches.mark_notified(batch_id, now_s)
         return "notified"
-    error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s)
+    error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s,
+                       allow=s.webhook_networks, allow_unsigned=s.webhook_allow_unsigned)
     settled = svc.batches.record_webhook_attempt(batch_id, now_s,
                                              error or export_error, s.webhook_max_attempts,
                                              retry_in_s, delivered=error is None)

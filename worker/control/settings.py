@@ -7,10 +7,11 @@ Names shared with the worker (``redis_url``, ``database_url``, ``key_prefix``,
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import types
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from jobs.constants import DEFAULT_MAX_DELIVERIES
 from jobs.settings import ConnectionSettings
@@ -42,7 +43,13 @@ class ControlSettings(ConnectionSettings):
     export_dir: str | None = Field(None, description="write <batch>.jsonl results files here")
     webhook_url: str | None = Field(None, description="POST batch events here (a batch's "
                                                       "own webhook_url wins)")
-    webhook_secret: str | None = Field(None, description="HMAC-SHA256 key signing webhooks")
+    webhook_secret: str | None = Field(None, description="HMAC-SHA256 key signing webhooks "
+                                                         "(with a timestamp: t=…,v1=…)")
+    webhook_allow_unsigned: bool = Field(
+        False, description="send webhooks without a secret (unsigned): off by default")
+    webhook_allow_networks: str = Field(
+        "", description="comma-separated networks webhooks may reach although not global "
+                        "(e.g. 10.0.0.0/8); loopback, private, link-local are refused otherwise")
     webhook_timeout_s: float = Field(10.0, gt=0)
     webhook_max_attempts: int = Field(8, ge=1)
     webhook_backoff_s: float = Field(30.0, gt=0, description="first retry delay; doubles, "
@@ -57,6 +64,20 @@ class ControlSettings(ConnectionSettings):
     @property
     def broker(self) -> str:
         return self.broker_url or self.redis_url
+
+    @property
+    def webhook_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """The parsed ``webhook_allow_networks``."""
+        return tuple(ipaddress.ip_network(n.strip(), strict=False)
+                     for n in self.webhook_allow_networks.split(",") if n.strip())
+
+    @field_validator("webhook_allow_networks")
+    @classmethod
+    def _networks(cls, value: str) -> str:
+        for n in value.split(","):
+            if n.strip():
+                ipaddress.ip_network(n.strip(), strict=False)  # ValueError names it
+        return value
 
 
 def add_control_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,26 +1,59 @@
-"""Batch webhooks: one JSON POST per attempt, signed when a secret is configured.
+"""Batch webhooks: one signed JSON POST per attempt, to an address that is not inward.
+
+* **Where.** The URL was checked at submission (``jobs.schemas.check_webhook_url``) and is
+  checked again here; its host is resolved once and every address must be global (not
+  loopback, private, link-local, multicast, reserved or unspecified) unless it lies in
+  ``webhook_allow_networks``. The connection goes to that resolved address (the ``Host``
+  header and TLS name stay the URL's), so DNS cannot change the answer in between.
+* **How long.** ``timeout_s`` bounds the whole attempt, connect to last byte: a receiver that
+  trickles its answer is cut off then. Redirects are not followed (a 3xx is a failed attempt).
+* **Who.** With a secret, ``X-Kvbatch-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of
+  "<t>.<body>">``: the receiver recomputes it and refuses old timestamps, so a captured event
+  cannot be replayed later. Without a secret nothing is sent unless unsigned webhooks are
+  allowed.
 
 Delivery is at least once (a retry follows a timeout that may have reached the receiver), so
-every request carries ``Idempotency-Key: <batch id>``. With a secret, ``X-Kvbatch-Signature``
-is ``sha256=`` + the hex HMAC-SHA256 of the body under it.
+every request carries ``Idempotency-Key: <batch id>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import http.client
+import ipaddress
 import json
-import urllib.error
-import urllib.request
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
+
+from jobs.schemas import check_webhook_url
 
 MAX_BACKOFF_S = 3600.0
+MAX_RESPONSE_BYTES = 64 * 1024
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: float) -> str | None:
-    """POST ``event`` as JSON to ``url``; None on a 2xx answer, else why it failed."""
-    if not url.startswith(("http://", "https://")):
-        return f"unsupported webhook URL {url!r}: http(s) only"
+class WebhookRefused(ValueError):
+    """The URL, or an address its host resolves to, is not one webhooks may reach."""
+
+
+def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: float,
+               allow: Sequence[IPNetwork] = (), allow_unsigned: bool = False) -> str | None:
+    """POST ``event`` as JSON to ``url``; None on a 2xx answer, else why the attempt failed."""
+    if not secret and not allow_unsigned:
+        return ("refused: webhooks are signed; set KVBATCH_WEBHOOK_SECRET (or "
+                "KVBATCH_WEBHOOK_ALLOW_UNSIGNED=true)")
+    try:
+        target = resolve(url, allow)
+    except WebhookRefused as exc:
+        return f"refused: {exc}"
     body = json.dumps(event, sort_keys=True).encode()
     headers = {
         "Content-Type": "application/json",
@@ -29,16 +62,116 @@ def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: f
         "Idempotency-Key": str(event.get("batch_id", "")),
     }
     if secret:
-        digest = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-        headers["X-Kvbatch-Signature"] = f"sha256={digest}"
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+        headers["X-Kvbatch-Signature"] = sign(secret, body, int(time.time()))
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return None if 200 <= response.status < 300 else f"HTTP {response.status}"
-    except urllib.error.HTTPError as exc:
-        return f"HTTP {exc.code}"
-    except Exception as exc:  # BadStatusLine, TLS errors...: an attempt all the same
-        return f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+        status = _post(target, body, headers, timeout_s)
+    except Exception as exc:  # refused, reset, TLS, cut off at the deadline: a failed attempt
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if 300 <= status < 400:
+        return f"HTTP {status} (redirects are not followed)"
+    return None if 200 <= status < 300 else f"HTTP {status}"
+
+
+def sign(secret: str, body: bytes, timestamp: int) -> str:
+    """The ``X-Kvbatch-Signature`` value of ``body`` sent at ``timestamp``."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},v1={mac.hexdigest()}"
+
+
+class Target:
+    """Where one attempt connects: the URL's parts and the one address it was resolved to."""
+
+    def __init__(self, scheme: str, host: str, port: int, path: str, address: str) -> None:
+        self.scheme, self.host, self.port, self.path, self.address = (
+            scheme, host, port, path, address)
+
+
+def resolve(url: str, allow: Sequence[IPNetwork] = ()) -> Target:
+    """Check ``url`` and resolve its host; every address must be reachable by webhooks."""
+    try:
+        check_webhook_url(url)
+    except ValueError as exc:
+        raise WebhookRefused(str(exc)) from None
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise WebhookRefused(f"cannot resolve {host!r}: {exc.strerror}") from None
+    addresses = [str(info[4][0]) for info in infos]
+    for address in addresses:
+        if not _reachable(ipaddress.ip_address(address.split("%")[0]), allow):
+            raise WebhookRefused(f"{host!r} resolves to {address}, which webhooks may not "
+                                 "reach (add its network to KVBATCH_WEBHOOK_ALLOW_NETWORKS)")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Target(parts.scheme, host, port, path, addresses[0])
+
+
+def _reachable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+               allow: Sequence[IPNetwork]) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if any(ip in net for net in allow if net.version == ip.version):
+        return True
+    return ip.is_global and not ip.is_multicast
+
+
+def _post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
+    conn: http.client.HTTPConnection
+    if target.scheme == "https":
+        conn = _PinnedHTTPS(target, timeout_s)
+    else:
+        conn = _PinnedHTTP(target, timeout_s)
+    # The deadline of the whole attempt: socket timeouts bound each read, not their sum.
+    cut = threading.Event()
+    watchdog = threading.Timer(timeout_s, _cut, args=(conn, cut))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.request("POST", target.path, body=body, headers=headers)
+        response = conn.getresponse()
+        response.read(MAX_RESPONSE_BYTES)
+        return response.status
+    except Exception as exc:  # whatever the cut-off read raised (reset, a half status line)
+        if cut.is_set():
+            raise TimeoutError(f"no complete answer within {timeout_s:g} s") from exc
+        raise
+    finally:
+        watchdog.cancel()
+        conn.close()
+
+
+def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+    cut.set()
+    sock = conn.sock
+    if sock is not None:
+        with contextlib.suppress(OSError):  # already closed
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _PinnedHTTP(http.client.HTTPConnection):
+    """HTTP to the resolved address; ``Host`` stays the URL's host."""
+
+    def __init__(self, target: Target, timeout_s: float) -> None:
+        super().__init__(target.host, target.port, timeout=timeout_s)
+        self._address = target.address
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to the resolved address; the certificate is checked against the URL's host."""
+
+    def __init__(self, target: Target, timeout_s: float) -> None:
+        super().__init__(target.host, target.port, timeout=timeout_s,
+                         context=ssl.create_default_context())
+        self._address = target.address
+
+    def connect(self) -> None:
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
 
 def backoff_s(attempts: int, first_s: float) -> float:

@@ -1,0 +1,153 @@
+"""Webhooks cannot be aimed inward, held open, redirected or replayed; URLs are checked when a
+batch is submitted and again when its event is sent."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import http.server
+import ipaddress
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from jobs.schemas import check_webhook_url
+from worker.control.webhook import Target, _post, post_event, resolve, sign
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
+EVENT = {"type": "batch.completed", "batch_id": "b1"}
+
+
+class Receiver:
+    """A local HTTP server whose handler is given per test; it records every request."""
+
+    def __init__(self, handle: Any) -> None:
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                receiver.requests.append(("POST", self.path, dict(self.headers)))
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                handle(self)
+
+            def do_GET(self) -> None:
+                receiver.requests.append(("GET", self.path, dict(self.headers)))
+                handle(self)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Any]:
+    made: list[Receiver] = []
+
+    def make(handle: Any) -> Receiver:
+        made.append(Receiver(handle))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def ok(handler: http.server.BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.end_headers()
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/",  # cloud metadata
+    "http://[::1]:6379/",  # loopback, IPv6
+    "http://10.0.0.5/hook",  # private
+    "http://0.0.0.0:8080/",  # unspecified
+    "http://[::ffff:127.0.0.1]/",  # loopback behind an IPv4-mapped address
+    "http://localhost:9/hook",  # a name that resolves to loopback
+    "http://224.0.0.1/",  # multicast
+])
+def test_inward_addresses_are_refused_before_any_connection(url: str) -> None:
+    error = post_event(url, EVENT, "s", timeout_s=2.0)
+    assert error is not None and error.startswith("refused:") and "may not reach" in error
+
+
+def test_loopback_is_refused_unless_allowed(receiver) -> None:  # type: ignore[no-untyped-def]
+    hook = receiver(ok)
+    assert "may not reach" in (post_event(hook.url, EVENT, "s", 2.0) or "")
+    assert hook.requests == []
+    assert post_event(hook.url, EVENT, "s", 2.0, allow=LOOPBACK) is None
+    assert len(hook.requests) == 1
+
+
+@pytest.mark.parametrize("url", ["gopher://x\nINJECT", "file:///etc/passwd",
+                                 "http://user:pw@example.com/", "http:///nohost",
+                                 "http://exa mple.com/", "https://example.com:99999/"])
+def test_bad_urls_are_refused_at_submission_and_at_send(url: str) -> None:
+    with pytest.raises(ValueError):
+        check_webhook_url(url)
+    assert (post_event(url, EVENT, "s", 2.0, allow=LOOPBACK) or "").startswith("refused:")
+
+
+def test_redirects_are_not_followed(receiver) -> None:  # type: ignore[no-untyped-def]
+    def redirect(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(302)
+        handler.send_header("Location", "/internal-admin")
+        handler.end_headers()
+
+    hook = receiver(redirect)
+    error = post_event(hook.url, EVENT, "s", 2.0, allow=LOOPBACK)
+    assert error == "HTTP 302 (redirects are not followed)"
+    assert [(m, p) for m, p, _ in hook.requests] == [("POST", "/hook")]
+
+
+def test_a_trickling_receiver_is_cut_off_at_the_deadline(receiver) -> None:  # type: ignore[no-untyped-def]
+    """Socket timeouts bound each read; one byte every 0.2 s never trips them. The attempt
+    has one deadline for everything."""
+    def trickle(handler: http.server.BaseHTTPRequestHandler) -> None:
+        with contextlib.suppress(OSError):  # the client hangs up at its deadline
+            for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 200:
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+                time.sleep(0.2)
+
+    hook = receiver(trickle)
+    error = post_event(hook.url, EVENT, "s", timeout_s=1.0, allow=LOOPBACK)
+    assert error == "TimeoutError: no complete answer within 1 s"
+
+
+def test_the_connection_goes_to_the_address_that_was_checked(receiver) -> None:  # type: ignore[no-untyped-def]
+    """Resolved once, connected to that address: a second DNS answer cannot move the POST
+    inward. The Host header keeps the URL's name."""
+    hook = receiver(ok)
+    port = hook.server.server_address[1]
+    target = Target("http", "hooks.example.invalid", port, "/hook", "127.0.0.1")
+    assert _post(target, b"{}", {"Content-Type": "application/json"}, 2.0) == 200
+    assert hook.requests[0][2]["Host"] == f"hooks.example.invalid:{port}"
+    with pytest.raises(ValueError, match="cannot resolve"):
+        resolve("http://hooks.example.invalid/hook")
+
+
+def test_events_are_signed_with_a_timestamp_and_unsigned_ones_are_not_sent(receiver) -> None:  # type: ignore[no-untyped-def]
+    hook = receiver(ok)
+    refused = post_event(hook.url, EVENT, None, 2.0, allow=LOOPBACK)
+    assert refused is not None and "KVBATCH_WEBHOOK_SECRET" in refused and hook.requests == []
+    assert post_event(hook.url, EVENT, "k3y", 2.0, allow=LOOPBACK) is None
+    header = hook.requests[0][2]["X-Kvbatch-Signature"]
+    stamp = int(header.split(",")[0].removeprefix("t="))
+    assert abs(stamp - time.time()) < 60
+    body = b'{"batch_id": "b1", "type": "batch.completed"}'
+    expected = hmac.new(b"k3y", f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
+    assert header == f"t={stamp},v1={expected}" == sign("k3y", body, stamp)
