@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.isolation import run_isolating_faults, without_requests
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import loader
@@ -19,9 +20,8 @@ from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineStats, RequestOutput
 from engine.processor import Processor, Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
-from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.sequence import RequestMetrics, Sequence
 from kernels import get_ops, resolve_backend
 
@@ -200,9 +200,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
-        sampled, faults = self._run_isolating_faults(batch)
+        sampled, faults = run_isolating_faults(self.runner, batch)
         if faults:
-            batch = _without(batch, set(faults))
+            batch = without_requests(batch, set(faults))
             outputs += [self._fail(request_id, error) for request_id, error in faults.items()]
         progressed = self.scheduler.update(batch, sampled)
 
@@ -224,45 +224,6 @@ class LLMEngine:
                 del self._requests[request_id]
             outputs.append(self._output(req, finished))
         return outputs
-
-    def _run_isolating_faults(
-        self, batch: SchedulerOutput
-    ) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
-        """Run the step; when it raises, find the requests it raises for and run the rest.
-
-        A failed batch is bisected: each half runs again (the KV it writes is the same, and
-        block copies ran with the first attempt), down to single sequences; a sequence that
-        fails alone fails its request, with the error, and the others go on. When every
-        request of a batch of several fails alone, the fault is the engine's, not theirs: it
-        is raised, and the caller gives every request back.
-        """
-        try:
-            return self.runner.run(batch), {}
-        except Exception as exc:
-            requests = {s.seq.request_id for s in batch.seqs}
-            sampled, faults = self._bisect(batch, exc)
-            if len(requests) > 1 and set(faults) == requests:
-                raise
-            log.warning("step failed (%s: %s); failed alone: %s", type(exc).__name__, exc,
-                        ", ".join(sorted(faults)))
-            return sampled, faults
-
-    def _bisect(self, batch: SchedulerOutput,
-                exc: Exception) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
-        if len(batch.seqs) == 1:
-            return {}, {batch.seqs[0].seq.request_id: f"{type(exc).__name__}: {exc}"}
-        sampled: dict[int, list[Sampled]] = {}
-        faults: dict[str, str] = {}
-        middle = len(batch.seqs) // 2
-        for part in (batch.seqs[:middle], batch.seqs[middle:]):
-            sub = _sub_batch(part)
-            try:
-                sampled |= self.runner.run(sub)
-            except Exception as sub_exc:
-                part_sampled, part_faults = self._bisect(sub, sub_exc)
-                sampled |= part_sampled
-                faults |= part_faults
-        return sampled, faults
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:
         """End a request that made a step fail: its blocks are freed, and those only it held
@@ -369,21 +330,3 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * config.gpu_memory_utilization)
     return DEFAULT_CPU_KV_BYTES
-
-
-def _sub_batch(seqs: tuple[ScheduledSeq, ...]) -> SchedulerOutput:
-    """A part of a step's batch, to run again on its own (its block copies already ran)."""
-    return SchedulerOutput(
-        seqs=seqs,
-        num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1),
-        block_copies=(),
-        num_batched_tokens=sum(s.num_new_tokens for s in seqs),
-    )
-
-
-def _without(batch: SchedulerOutput, request_ids: set[str]) -> SchedulerOutput:
-    """``batch`` less the sequences of ``request_ids`` (for the scheduler's update)."""
-    kept = tuple(s for s in batch.seqs if s.seq.request_id not in request_ids)
-    return SchedulerOutput(seqs=kept, num_decodes=sum(1 for s in kept if s.num_new_tokens == 1),
-                           block_copies=batch.block_copies,
-                           num_batched_tokens=sum(s.num_new_tokens for s in kept))

@@ -155,8 +155,9 @@ class JobClient:
 
     def serves(self, model: str) -> bool:
         """Whether a live worker serves ``model``."""
-        queue = JobQueue(self.redis, model, self.keys)
-        return queue.served_by_live_worker()
+        models = self.redis.hgetall(self.keys.workers())  # worker id -> model
+        live = JobQueue(self.redis, model, self.keys).live_workers()
+        return any(models.get(w) == model for w in live)
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:

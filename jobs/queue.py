@@ -234,11 +234,6 @@ class JobQueue:
             self.client.hdel(self.keys.workers(), *dead)
         return {n for n, hit in alive.items() if hit}
 
-    def served_by_live_worker(self) -> bool:
-        """Whether a live worker serves this queue's model."""
-        models = self.client.hgetall(self.keys.workers())
-        return any(models.get(w) == self.model for w in self.live_workers())
-
 
 def publish_done(client: redis.Redis, keys: Keys, finished: Iterable[tuple[str, str]]) -> None:
     """Tell waiters that jobs reached a terminal status: a marker key (kept

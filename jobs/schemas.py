@@ -26,8 +26,8 @@ from jobs.constants import MAX_PAYLOAD_BYTES
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
 # Served model names: printable, no spaces or control characters (they reach terminals, logs
-# and Redis key names); a Hugging Face directory path fits.
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,254}$"
+# and Redis key names), no leading dash; a Hugging Face directory path fits.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9/._][A-Za-z0-9._:/@+-]{0,254}$"
 WEBHOOK_URL_MAX_CHARS = 2048
 
 

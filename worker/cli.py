@@ -133,7 +133,8 @@ def error_line(exc: BaseException) -> str:
     if isinstance(exc, SchemaNotReady | ValueError) and not isinstance(exc, ValidationError):
         return _first_line(exc)
     if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        return "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"])))
+                         for e in exc.errors())
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return f"cannot reach Redis: {_first_line(exc)}"
     if isinstance(exc, DBAPIError):
