@@ -90,7 +90,7 @@ class Intake:
                 if d.job_id and _valid_id(d.job_id):
                     self.results.add(Outcome(d.job_id, JobStatus.FAILED, now, error=reason), d)
                 else:
-                    self.outbox.dead_letter(d, reason)
+                    self._dead_letter(d, reason)
                     log.warning("dead-lettered an unreadable message (%s)", d.entry_id)
                 continue
             error = self._refusal(spec)
@@ -101,6 +101,10 @@ class Intake:
             else:
                 seen.add(spec.id)
                 self.undecided.append((d, spec))
+
+    def _dead_letter(self, d: Delivery, reason: str) -> None:
+        self.outbox.dead_letter(d, reason)
+        self.metrics.dead_lettered.inc()
 
     def _refusal(self, spec: JobSpec) -> str | None:
         """Why ``spec`` never reaches the engine (checked here, off the engine thread)."""
@@ -138,7 +142,7 @@ class Intake:
                 run.append((d, spec))
                 continue
             if decision is Decision.DEAD:
-                self.outbox.dead_letter(d, dead_reason)
+                self._dead_letter(d, dead_reason)
             else:
                 self.outbox.ack([d.entry_id])
             if decision.status is not None:

@@ -1,10 +1,24 @@
-"""Prometheus metrics of one worker, named after vLLM's (``vllm:`` becomes ``kvbatch:``)."""
+"""Prometheus metrics of one worker: vLLM's names and meanings, under the ``kvbatch_`` prefix.
+
+Names have no colons: Prometheus reserves them for recording rules, and the OpenMetrics
+exposition that Prometheus 2.x negotiates turned ``kvbatch:x`` into ``kvbatch_x`` on the way,
+so dashboards naming ``kvbatch:x`` found nothing. ``docs/deploy.md`` maps every name to vLLM's.
+Labelled counters exist at 0 from the start for every label value they can take, so that
+``rate()`` and ``increase()`` see the first event too.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from jobs.schemas import TERMINAL_STATUSES
+
+if TYPE_CHECKING:
+    from engine.outputs import EngineStats
+
+PREFIX = "kvbatch_"
 
 # Bucket edges in seconds: vLLM's up to 80 s, then up to a day, because TTFT, queue time and
 # end-to-end latency count from submission and batch jobs may wait hours in the queue.
@@ -27,13 +41,13 @@ class WorkerMetrics:
         r = self.registry
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"kvbatch:{name}", doc, labels, registry=r).labels(model)
+            return Gauge(PREFIX + name, doc, labels, registry=r).labels(model)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(f"kvbatch:{name}", doc, labels, registry=r).labels(model)
+            return Counter(PREFIX + name, doc, labels, registry=r).labels(model)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(f"kvbatch:{name}", doc, labels, buckets=buckets,
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
                              registry=r).labels(model)
 
         self.running = gauge("num_requests_running", "Requests running in the engine.")
@@ -44,11 +58,6 @@ class WorkerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.queue_depth = gauge("queue_depth", "Jobs in the model's stream, not yet delivered.")
         self.in_flight = gauge("jobs_in_flight", "Jobs this worker holds.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the cache.")
-        self.preemptions = counter("num_preemptions", "Preemptions.")
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens computed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Submission to first scheduled.", LATENCY_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds",
@@ -57,25 +66,41 @@ class WorkerMetrics:
                              "Time between output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds",
                              "Submission to finish.", LATENCY_BUCKETS)
-        self._jobs = Counter("kvbatch:jobs", "Jobs that reached a terminal status.",
-                             ["model_name", "status"], registry=r)
-        self._last: dict[str, int] = {}
+        self.dead_lettered = counter("jobs_dead_lettered",
+                                     "Jobs moved to the dead-letter stream by this worker.")
+        # (counter, EngineStats field): the engine's counters are cumulative; each scrape
+        # adds what they gained since the last snapshot.
+        self._engine_counters = [
+            (counter("prompt_tokens", "Prompt tokens of the requests scheduled (whole "
+                                      "prompts, cached or computed, as vLLM counts them)."),
+             "prefix_cache_queries"),
+            (counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache."),
+             "prefix_cache_hits"),
+            (counter("prompt_tokens_computed", "Prompt tokens run through the model "
+                                               "(recomputation after preemption included)."),
+             "num_prompt_tokens"),
+            (counter("generation_tokens", "Tokens generated."), "num_generated_tokens"),
+            (counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+             "prefix_cache_queries"),
+            (counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+             "prefix_cache_hits"),
+            (counter("num_preemptions", "Preemptions."), "num_preemptions"),
+        ]
+        self._last = [0] * len(self._engine_counters)
+        jobs = Counter(PREFIX + "jobs", "Jobs this worker brought to a terminal status.",
+                       ["model_name", "status"], registry=r)
+        self._jobs = {s.value: jobs.labels(model, s.value) for s in sorted(TERMINAL_STATUSES)}
 
     def job_finished(self, status: str) -> None:
-        self._jobs.labels(self.model, status).inc()
+        self._jobs[status].inc()
 
-    def observe_engine(self, stats: Any) -> None:
+    def observe_engine(self, stats: EngineStats) -> None:
         """Update from an ``EngineStats`` snapshot (its counters are cumulative)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
-        for name, metric in (("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits),
-                             ("num_preemptions", self.preemptions),
-                             ("num_prompt_tokens", self.prompt_tokens),
-                             ("num_generated_tokens", self.generation_tokens)):
-            value = int(getattr(stats, name))
-            delta = value - self._last.get(name, 0)
-            if delta > 0:
-                metric.inc(delta)
-            self._last[name] = value
+        for i, (metric, field) in enumerate(self._engine_counters):
+            value = int(getattr(stats, field))
+            if value > self._last[i]:
+                metric.inc(value - self._last[i])
+            self._last[i] = value

@@ -15,7 +15,7 @@ OUT = Path(__file__).resolve().parent / "dashboards"
 PROM = {"type": "prometheus", "uid": "kvbatch-prometheus"}
 PG = {"type": "grafana-postgresql-datasource", "uid": "kvbatch-postgres"}
 SEL = '{model_name=~"$model"}'
-FINISHED_BY_WORKERS = ("Jobs a worker finished (the workers' kvbatch:jobs_total). Jobs the "
+FINISHED_BY_WORKERS = ("Jobs a worker finished (the workers' kvbatch_jobs_total). Jobs the "
                        "control plane expired or reaped, and queued jobs cancelled before "
                        "delivery, are not in it: see the PostgreSQL panel next to it.")
 RATE = "[$__rate_interval]"
@@ -53,7 +53,7 @@ def prom_panel(grid: Grid, pid: int, title: str, targets: list[tuple[str, str]],
 
 
 def quantiles(metric: str, label: str) -> list[tuple[str, str]]:
-    return [(f"histogram_quantile({q}, sum by (le) (rate(kvbatch:{metric}_bucket{SEL}{RATE})))",
+    return [(f"histogram_quantile({q}, sum by (le) (rate(kvbatch_{metric}_bucket{SEL}{RATE})))",
              f"{label} p{round(q * 100)}") for q in (0.5, 0.9, 0.99)]
 
 
@@ -61,24 +61,28 @@ def overview() -> dict[str, Any]:
     g = Grid()
     panels = [
         prom_panel(g, 1, "Jobs running / waiting", [
-            (f"sum(kvbatch:num_requests_running{SEL})", "running"),
-            (f"sum(kvbatch:num_requests_waiting{SEL})", "waiting (in the engines)"),
-            (f"sum(kvbatch:num_requests_swapped{SEL})", "swapped"),
+            (f"sum(kvbatch_num_requests_running{SEL})", "running"),
+            (f"sum(kvbatch_num_requests_waiting{SEL})", "waiting (in the engines)"),
+            (f"sum(kvbatch_num_requests_swapped{SEL})", "swapped"),
         ], "short", description="Requests inside the workers' engines."),
         prom_panel(g, 2, "Queue depth", [
-            (f"max by (model_name) (kvbatch:queue_depth{SEL})", "{{model_name}} waiting in Redis"),
-            (f"sum by (model_name) (kvbatch:jobs_in_flight{SEL})",
+            (f"max by (model_name) (kvbatch_queue_depth{SEL})", "{{model_name}} waiting in Redis"),
+            (f"sum by (model_name) (kvbatch_jobs_in_flight{SEL})",
              "{{model_name}} held by workers"),
         ], "short", description="Every worker reports its model's stream depth: max, not sum."),
         prom_panel(g, 3, "Workers reporting", [
-            (f"count by (model_name) (kvbatch:jobs_in_flight{SEL})", "{{model_name}}"),
+            (f"count by (model_name) (kvbatch_jobs_in_flight{SEL})", "{{model_name}}"),
         ], "short", kind="stat"),
         prom_panel(g, 4, "Throughput", [
-            (f"sum(rate(kvbatch:prompt_tokens_total{SEL}{RATE}))", "prompt tokens/s (computed)"),
-            (f"sum(rate(kvbatch:generation_tokens_total{SEL}{RATE}))", "generated tokens/s"),
-        ], "short", w=12),
+            (f"sum(rate(kvbatch_prompt_tokens_total{SEL}{RATE}))", "prompt tokens/s"),
+            (f"sum(rate(kvbatch_prompt_tokens_cached_total{SEL}{RATE}))",
+             "prompt tokens/s from the prefix cache"),
+            (f"sum(rate(kvbatch_generation_tokens_total{SEL}{RATE}))", "generated tokens/s"),
+        ], "short", w=12, description="Prompt tokens of every request scheduled (as vLLM "
+                                      "counts them), those of them served from the prefix "
+                                      "cache, and generated tokens."),
         prom_panel(g, 5, "Jobs finished by workers, by status", [
-            (f"sum by (status) (rate(kvbatch:jobs_total{SEL}{RATE}))", "{{status}}"),
+            (f"sum by (status) (rate(kvbatch_jobs_total{SEL}{RATE}))", "{{status}}"),
         ], "ops", w=12, description=FINISHED_BY_WORKERS),
         prom_panel(g, 6, "Time to first token", quantiles("time_to_first_token_seconds", "TTFT"),
                    "s", description="From submission, so it includes the queue wait."),
@@ -88,20 +92,20 @@ def overview() -> dict[str, Any]:
                    quantiles("e2e_request_latency_seconds", "e2e")
                    + quantiles("request_queue_time_seconds", "queue")[::2], "s"),
         prom_panel(g, 9, "KV-cache usage", [
-            (f"max by (instance) (kvbatch:kv_cache_usage_perc{SEL})", "{{instance}}"),
+            (f"max by (instance) (kvbatch_kv_cache_usage_perc{SEL})", "{{instance}}"),
         ], "percentunit", description="Share of each worker's KV blocks in use."),
         prom_panel(g, 10, "Prefix-cache hit rate", [
-            (f"sum(rate(kvbatch:prefix_cache_hits_total{SEL}{RATE})) / "
-             f"sum(rate(kvbatch:prefix_cache_queries_total{SEL}{RATE}))", "hit rate"),
+            (f"sum(rate(kvbatch_prefix_cache_hits_total{SEL}{RATE})) / "
+             f"sum(rate(kvbatch_prefix_cache_queries_total{SEL}{RATE}))", "hit rate"),
         ], "percentunit", description="Prompt tokens found in the cache over prompt tokens "
                                       "looked up."),
         prom_panel(g, 11, "Preemptions", [
-            (f"sum by (instance) (rate(kvbatch:num_preemptions_total{SEL}{RATE}))",
+            (f"sum by (instance) (rate(kvbatch_num_preemptions_total{SEL}{RATE}))",
              "{{instance}}"),
         ], "ops", description="Sustained preemptions: the KV budget is too small for "
                               "max_num_seqs."),
         prom_panel(g, 12, "Jobs finished by workers (time range)", [
-            (f"sum by (status) (increase(kvbatch:jobs_total{SEL}[$__range]))", "{{status}}"),
+            (f"sum by (status) (increase(kvbatch_jobs_total{SEL}[$__range]))", "{{status}}"),
         ], "short", kind="bargauge", w=12, h=7, description=FINISHED_BY_WORKERS),
         sql_panel(g, 13, "Jobs by terminal status (time range, all models)", """
             SELECT status, count(*) AS jobs
@@ -113,9 +117,9 @@ def overview() -> dict[str, Any]:
     ]
     variables = [{
         "name": "model", "label": "model", "type": "query", "datasource": PROM,
-        "query": {"query": "label_values(kvbatch:jobs_in_flight, model_name)",
+        "query": {"query": "label_values(kvbatch_jobs_in_flight, model_name)",
                   "refId": "model"},
-        "definition": "label_values(kvbatch:jobs_in_flight, model_name)",
+        "definition": "label_values(kvbatch_jobs_in_flight, model_name)",
         "includeAll": True, "multi": True, "allValue": ".*", "refresh": 2,
         "current": {"text": "All", "value": "$__all"},
     }]

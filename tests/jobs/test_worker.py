@@ -60,10 +60,10 @@ def test_200_jobs_end_to_end(redis_client: redis.Redis, keys: Keys, pg_engine: s
     # Everything acked and deleted from the stream; Prometheus saw every job.
     wait_for(lambda: JobQueue(redis_client, MODEL, keys).depth() == (0, 0), 5)
     text = generate_latest(running.worker.metrics.registry).decode()
-    assert 'kvbatch:jobs_total{model_name="tiny",status="succeeded"} 200.0' in text
-    for name in ("kvbatch:time_to_first_token_seconds_count", "kvbatch:kv_cache_usage_perc",
-                 "kvbatch:prefix_cache_hits_total", "kvbatch:generation_tokens_total",
-                 "kvbatch:inter_token_latency_seconds_count", "kvbatch:queue_depth"):
+    assert 'kvbatch_jobs_total{model_name="tiny",status="succeeded"} 200.0' in text
+    for name in ("kvbatch_time_to_first_token_seconds_count", "kvbatch_kv_cache_usage_perc",
+                 "kvbatch_prefix_cache_hits_total", "kvbatch_generation_tokens_total",
+                 "kvbatch_inter_token_latency_seconds_count", "kvbatch_queue_depth"):
         assert name in text
     assert running.stop() == 0
 

@@ -57,7 +57,7 @@ def test_sigkilled_worker_jobs_finish_on_another(
         wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
         time.sleep(0.3)  # mid-generation
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        assert 'kvbatch:num_requests_running{model_name="tiny"} 6.0' in metrics
+        assert 'kvbatch_num_requests_running{model_name="tiny"} 6.0' in metrics
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
