@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
-from engine.isolation import run_isolating_faults, without_requests
+from engine.isolation import FaultIsolator, without_requests
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import loader
@@ -104,6 +104,7 @@ class LLMEngine:
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
+        self.isolator = FaultIsolator(self.runner)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._arrivals = itertools.count()
@@ -200,29 +201,45 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
-        sampled, faults = run_isolating_faults(self.runner, batch)
+        sampled, faults = self.isolator.run(batch)
         if faults:
             batch = without_requests(batch, set(faults))
             outputs += [self._fail(request_id, error) for request_id, error in faults.items()]
         progressed = self.scheduler.update(batch, sampled)
+        touched: dict[str, list[Sequence]] = {}
+        for seq in progressed:
+            touched.setdefault(seq.request_id, []).append(seq)
+        for request_id, seqs in touched.items():
+            req = self._requests[request_id]
+            if len(req.seqs) < req.params.n:  # forked this step
+                req.seqs = seqs
 
+        # Stop checks and outputs decode text: what raises there fails its request alone.
+        failed: dict[str, str] = {}
         stopped: dict[str, list[Sequence]] = {}
         for seq in progressed:
-            reason = self.processor.stop_reason(seq)
+            try:
+                reason = self.processor.stop_reason(seq)
+            except Exception as exc:
+                failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
+                continue
             if reason is not None:
                 stopped.setdefault(reason, []).append(seq)
         for reason, seqs in stopped.items():
-            self.scheduler.finish(seqs, reason)
-
-        touched = dict.fromkeys(seq.request_id for seq in progressed)
+            self.scheduler.finish([s for s in seqs if s.request_id not in failed], reason)
         for request_id in touched:
+            if request_id in failed:
+                continue
             req = self._requests[request_id]
-            if len(req.seqs) < req.params.n:  # forked this step
-                req.seqs = [s for s in progressed if s.request_id == request_id]
             finished = req.finished
+            try:
+                outputs.append(self._output(req, finished))
+            except Exception as exc:
+                failed[request_id] = f"{type(exc).__name__}: {exc}"
+                continue
             if finished:
                 del self._requests[request_id]
-            outputs.append(self._output(req, finished))
+        outputs += [self._fail(request_id, error) for request_id, error in failed.items()]
         return outputs
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:

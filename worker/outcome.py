@@ -75,10 +75,12 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
     )
     if max_result_bytes is not None:
         size = len(result.model_dump_json().encode())
-        if size > max_result_bytes:
-            return Outcome(spec.id, JobStatus.FAILED, time.time(), stats=stats,
-                           error=f"result is {size} bytes, over the limit of {max_result_bytes} "
-                                 "(KVBATCH_MAX_RESULT_BYTES): lower n, max_tokens or logprobs")
+        if size > max_result_bytes:  # not stored; a cancelled or expired job stays so
+            over = (f"result is {size} bytes, over the limit of {max_result_bytes} "
+                    "(KVBATCH_MAX_RESULT_BYTES): lower n, max_tokens or logprobs")
+            if status is JobStatus.SUCCEEDED:
+                status, error = JobStatus.FAILED, over
+            return Outcome(spec.id, status, time.time(), stats=stats, error=error)
     return Outcome(spec.id, status, time.time(), error=error, result=result, stats=stats)
 
 

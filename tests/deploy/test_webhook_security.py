@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import http.server
 import ipaddress
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from jobs.schemas import check_webhook_url
-from worker.control.webhook import Target, _post, post_event, resolve, sign
+from worker.control.webhook import post_event, resolve, sign
 
 LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 EVENT = {"type": "batch.completed", "batch_id": "b1"}
@@ -128,16 +129,82 @@ def test_a_trickling_receiver_is_cut_off_at_the_deadline(receiver) -> None:  # t
     assert error == "TimeoutError: no complete answer within 1 s"
 
 
-def test_the_connection_goes_to_the_address_that_was_checked(receiver) -> None:  # type: ignore[no-untyped-def]
-    """Resolved once, connected to that address: a second DNS answer cannot move the POST
-    inward. The Host header keeps the URL's name."""
+def test_the_connection_goes_to_the_address_that_was_checked(
+        receiver, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The host is resolved once, checked, and the POST connects to that address: a second
+    DNS answer (rebinding) cannot move it inward. The Host header keeps the URL's name."""
     hook = receiver(ok)
     port = hook.server.server_address[1]
-    target = Target("http", "hooks.example.invalid", port, "/hook", "127.0.0.1")
-    assert _post(target, b"{}", {"Content-Type": "application/json"}, 2.0) == 200
-    assert hook.requests[0][2]["Host"] == f"hooks.example.invalid:{port}"
+    real = socket.getaddrinfo
+    asked: list[str] = []
+
+    def dns(host, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host == "hooks.example.test":
+            asked.append(host)  # the first answer is checked; a second would be 10.0.0.5
+            host = "127.0.0.1" if len(asked) == 1 else "10.0.0.5"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", dns)
+    url = f"http://hooks.example.test:{port}/hook"
+    assert post_event(url, EVENT, "s", 2.0, allow=LOOPBACK) is None
+    assert asked == ["hooks.example.test"]  # resolved once: connect used the address
+    assert hook.requests[0][2]["Host"] == f"hooks.example.test:{port}"
     with pytest.raises(ValueError, match="cannot resolve"):
         resolve("http://hooks.example.invalid/hook")
+
+
+def test_a_trickled_tls_handshake_is_cut_off_at_the_deadline() -> None:
+    """An HTTPS receiver that sends its handshake a byte at a time: every read gets a byte
+    before the socket timeout, but the attempt's deadline covers the handshake too."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = server.accept()
+        with conn, contextlib.suppress(OSError):
+            conn.recv(4096)  # the ClientHello
+            for byte in b"\x16\x03\x03\x40\x00" + b"\x02" * 200:  # a 16 KiB record, slowly
+                if stop.is_set():
+                    return
+                conn.sendall(bytes([byte]))
+                time.sleep(0.2)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    url = f"https://127.0.0.1:{server.getsockname()[1]}/hook"
+    try:
+        error = post_event(url, EVENT, "s", 1.0, allow=LOOPBACK)
+        # Cut at the deadline (by the watchdog, or by ssl's own handshake timeout, which the
+        # deadline sets), not after the 40 s the trickle would take.
+        assert error is not None and error.startswith("TimeoutError"), error
+    finally:
+        stop.set()
+        server.close()
+
+
+@pytest.mark.parametrize("address", [
+    "64:ff9b::a9fe:a9fe",  # NAT64 of 169.254.169.254
+    "64:ff9b::a00:5",  # NAT64 of 10.0.0.5
+    "2002:7f00:1::1",  # 6to4 of 127.0.0.1
+    "::7f00:1",  # IPv4-compatible 127.0.0.1
+    "fec0::1",  # site-local
+    "192.0.0.8",  # IETF protocol assignments
+    "100.64.0.1",  # carrier-grade NAT
+])
+def test_addresses_that_carry_or_hide_inward_ones_are_refused(
+        address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = socket.getaddrinfo
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+
+    def dns(host, port, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if host == "tricky.example.test":
+            return [(family, socket.SOCK_STREAM, 6, "", (address, port))]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", dns)
+    error = post_event("https://tricky.example.test/hook", EVENT, "s", 1.0)
+    assert error is not None and f"resolves to {address}" in error
 
 
 def test_events_are_signed_with_a_timestamp_and_unsigned_ones_are_not_sent(receiver) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.isolation import MAX_BLAMED_WITHOUT_SUCCESS
 
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "a healthy co-tenant"
@@ -72,19 +73,60 @@ def test_a_request_that_breaks_the_step_fails_alone(engine: LLMEngine, alone: li
 
 def test_an_engine_wide_fault_is_raised_not_blamed_on_requests(
         engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault every request meets is the engine's: once MAX_BLAMED_WITHOUT_SUCCESS requests
+    failed with no run succeeding in between, it is raised (a worker then hands its jobs to
+    others) instead of failing every job; a few poison requests alone still fail alone."""
     def broken(batch):  # type: ignore[no-untyped-def]
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(engine.runner, "run", broken)
-    engine.add_request("a", PROMPT, HEALTHY)
-    engine.add_request("b", PROMPT + "!", HEALTHY)
+    for i in range(MAX_BLAMED_WITHOUT_SUCCESS):
+        engine.add_request(f"all-{i}", f"{PROMPT} {i}", HEALTHY)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         engine.step()
-    engine.abort_request("a")
-    engine.abort_request("b")
+    for i in range(MAX_BLAMED_WITHOUT_SUCCESS):
+        engine.abort_request(f"all-{i}")
+    monkeypatch.undo()
+    engine.generate([PROMPT], HEALTHY)  # a successful run resets the count
+    assert engine.isolator.blamed_without_success == 0
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    engine.add_request("p1", "poison one", HEALTHY)
+    engine.add_request("p2", "poison two", HEALTHY)
+    outs = engine.step()  # two requests, both failing alone: under the limit
+    assert sorted(o.request_id for o in outs if o.finish_reason == "error") == ["p1", "p2"]
+    engine.add_request("p3", "poison three", HEALTHY)
+    with pytest.raises(RuntimeError):  # the third with no success since: the engine's fault
+        engine.step()
+    engine.abort_request("p3")
     monkeypatch.undo()
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_a_request_whose_text_cannot_be_decoded_fails_alone(
+        engine: LLMEngine, alone: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop checks and detokenization run per request after the forward: a fault there ends
+    that request, not the step."""
+    stop_reason = engine.processor.stop_reason
+
+    def failing_stop_reason(seq):  # type: ignore[no-untyped-def]
+        if seq.request_id == "bad-text":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return stop_reason(seq)
+
+    monkeypatch.setattr(engine.processor, "stop_reason", failing_stop_reason)
+    engine.add_request("fine", PROMPT, HEALTHY)
+    engine.add_request("bad-text", "another prompt", HEALTHY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["bad-text"].finish_reason == "error"
+    assert "UnicodeDecodeError" in (done["bad-text"].error or "")
+    assert done["fine"].token_ids == alone
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
 
 
 sampling = st.fixed_dictionaries({}, optional={

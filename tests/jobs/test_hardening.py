@@ -58,6 +58,36 @@ def test_one_poison_job_among_fifty_fails_alone(redis_client: redis.Redis, keys:
     assert running.thread.is_alive() and running.rc is None  # the worker keeps serving
 
 
+def test_a_job_that_breaks_the_step_on_a_live_worker_fails_alone(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker) -> None:  # type: ignore[no-untyped-def]
+    """Whatever passes every check and still makes the step raise (here: the forward raises
+    whenever this job's rows are in it): the engine bisects the step, the job fails alone with
+    the error, its 49 neighbours run once, and the worker keeps serving."""
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    good = [_job(i) for i in range(49)]
+    poison = _job(99)
+
+    def poisoned(engine):  # type: ignore[no-untyped-def]
+        run = engine.runner.run
+
+        def run_failing_for_poison(batch):  # type: ignore[no-untyped-def]
+            if any(s.seq.request_id == poison.id for s in batch.seqs):
+                raise IndexError("index 49152 is out of bounds for dimension 1")
+            return run(batch)
+
+        engine.runner.run = run_failing_for_poison
+        return engine
+
+    ids = client.submit([*good[:30], poison, *good[30:]])
+    running = start_worker(engine_wrapper=poisoned, max_model_len=256)
+    infos = {i.id: i for i in client.wait(ids, timeout_s=120)}
+    assert all(infos[s.id].status is JobStatus.SUCCEEDED and infos[s.id].attempts == 1
+               for s in good)
+    assert infos[poison.id].status is JobStatus.FAILED and infos[poison.id].attempts == 1
+    assert "failed in the engine step: IndexError: index 49152" in infos[poison.id].error
+    assert running.thread.is_alive() and running.rc is None
+
+
 def test_oversized_asks_are_refused_at_submission(redis_client: redis.Redis, keys: Keys,
                                                   pg_engine: sa.Engine) -> None:
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)

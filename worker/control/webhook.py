@@ -108,21 +108,48 @@ def resolve(url: str, allow: Sequence[IPNetwork] = ()) -> Target:
     return Target(parts.scheme, host, port, path, addresses[0])
 
 
+# Not reachable by webhooks, whatever ``is_global`` says on this Python (3.11 calls NAT64,
+# 6to4 and site-local addresses global).
+_DENIED = tuple(ipaddress.ip_network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+    "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
+    "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
+    "::/127", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+))
+_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
+_V4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
 def _reachable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
                allow: Sequence[IPNetwork]) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
     if any(ip in net for net in allow if net.version == ip.version):
         return True
-    return ip.is_global and not ip.is_multicast
+    if not ip.is_global or ip.is_multicast or any(ip in net for net in _DENIED
+                                                  if net.version == ip.version):
+        return False
+    # An IPv6 address that carries an IPv4 one reaches that one: it must be reachable too.
+    return all(_reachable(v4, allow) for v4 in _embedded_ipv4(ip))
+
+
+def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+                   ) -> list[ipaddress.IPv4Address]:
+    if isinstance(ip, ipaddress.IPv4Address):
+        return []
+    found = [v4 for v4 in (ip.ipv4_mapped, ip.sixtofour) if v4 is not None]
+    if ip.teredo is not None:
+        found += list(ip.teredo)
+    if any(ip in net for net in _NAT64) or ip in _V4_COMPATIBLE:
+        found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return found
 
 
 def _post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
     conn: http.client.HTTPConnection
+    deadline = time.monotonic() + timeout_s
     if target.scheme == "https":
-        conn = _PinnedHTTPS(target, timeout_s)
+        conn = _PinnedHTTPS(target, deadline)
     else:
-        conn = _PinnedHTTP(target, timeout_s)
+        conn = _PinnedHTTP(target, deadline)
     # The deadline of the whole attempt: socket timeouts bound each read, not their sum.
     cut = threading.Event()
     watchdog = threading.Timer(timeout_s, _cut, args=(conn, cut))
@@ -150,27 +177,37 @@ def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
+def _connect(address: str, port: int, deadline: float) -> socket.socket:
+    # Connecting counts against the attempt's deadline too: the watchdog only cuts a socket
+    # that exists.
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("no time left to connect")
+    return socket.create_connection((address, port), remaining)
+
+
 class _PinnedHTTP(http.client.HTTPConnection):
     """HTTP to the resolved address; ``Host`` stays the URL's host."""
 
-    def __init__(self, target: Target, timeout_s: float) -> None:
-        super().__init__(target.host, target.port, timeout=timeout_s)
-        self._address = target.address
+    def __init__(self, target: Target, deadline: float) -> None:
+        super().__init__(target.host, target.port, timeout=max(deadline - time.monotonic(), 0.1))
+        self._address, self._deadline = target.address, deadline
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = _connect(self._address, self.port, self._deadline)
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
     """HTTPS to the resolved address; the certificate is checked against the URL's host."""
 
-    def __init__(self, target: Target, timeout_s: float) -> None:
-        super().__init__(target.host, target.port, timeout=timeout_s,
+    def __init__(self, target: Target, deadline: float) -> None:
+        super().__init__(target.host, target.port, timeout=max(deadline - time.monotonic(), 0.1),
                          context=ssl.create_default_context())
-        self._address = target.address
+        self._address, self._deadline = target.address, deadline
 
     def connect(self) -> None:
-        sock = socket.create_connection((self._address, self.port), self.timeout)
+        sock = _connect(self._address, self.port, self._deadline)
+        self.sock = sock  # before the handshake, so that the deadline can cut it too
         self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
 
 
