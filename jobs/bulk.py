@@ -10,6 +10,7 @@ nothing, whether those rows finished meanwhile or are still queued.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import sys
 import time
@@ -29,6 +30,7 @@ class BulkOptions:
     """One ``kvbatch submit`` run.
 
     Args:
+        input: the dataset file (recorded beside the output with the batch id).
         output: results file (JSON lines), appended to.
         errors: file for rows that did not succeed; None writes them inline in ``output``.
         batch_id: the batch; keep it to resume.
@@ -40,6 +42,7 @@ class BulkOptions:
         progress: show a progress bar (on stderr).
     """
 
+    input: Path
     output: Path
     errors: Path | None
     batch_id: str
@@ -67,15 +70,33 @@ def batch_id_file(output: Path) -> Path:
     return output.with_name(output.name + ".batch")
 
 
-def resume_batch_id(output: Path, given: str | None = None) -> str:
-    """The batch of ``output``: ``given``, else the one an earlier run recorded beside it, else
-    a new random (unguessable) one."""
+def resume_batch_id(input_path: Path, output: Path, given: str | None = None) -> str:
+    """The batch of ``output``: ``given``, else the one an earlier run on the same input
+    recorded beside it, else a new random (unguessable) one.
+
+    Raises:
+        ValueError: ``output`` holds the results of another input (its rows would count as
+            done for this one).
+    """
     if given:
         return given
     recorded = batch_id_file(output)
     if recorded.is_file():
-        return recorded.read_text().strip()
+        record = json.loads(recorded.read_text())
+        if record["input"] != str(input_path.resolve()):
+            raise ValueError(f"{output} holds the results of {record['input']}, not of "
+                             f"{input_path}: give another -o, or --batch-id to mix them")
+        return str(record["batch_id"])
+    if output.is_file() and output.stat().st_size:
+        # Started by a kvbatch that derived the id from the paths: resume that batch.
+        key = f"{input_path.resolve()}\n{output.resolve()}"
+        return "ds-" + hashlib.sha256(key.encode()).hexdigest()[:24]
     return f"ds-{uuid.uuid4().hex}"
+
+
+def record_batch_id(input_path: Path, output: Path, batch_id: str) -> None:
+    batch_id_file(output).write_text(json.dumps({"batch_id": batch_id,
+                                                 "input": str(input_path.resolve())}) + "\n")
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -117,11 +138,14 @@ class OutputFiles:
 
     def __init__(self, output: Path, errors: Path | None) -> None:
         self.done: set[str] = set()
+        self.created: list[Path] = []  # files this run made (removed if the run is refused)
         self._out = self._open(output)
         self._err = self._open(errors) if errors is not None else self._out
 
     def _open(self, path: Path) -> IO[str]:
-        if path.exists():
+        if not path.exists():
+            self.created.append(path)
+        else:
             data = path.read_bytes()
             complete = data[: data.rfind(b"\n") + 1]
             partial = data[len(complete):]
@@ -159,12 +183,23 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
     files = OutputFiles(opts.output, opts.errors)
     tally = RunTally()
     try:
-        batch_id_file(opts.output).write_text(opts.batch_id + "\n")
+        record = batch_id_file(opts.output)
+        if not record.exists():
+            files.created.append(record)
+        # Recorded before the jobs exist: a run killed right after submitting resumes them.
+        record_batch_id(opts.input, opts.output, opts.batch_id)
         todo = [r for r in rows if r.custom_id not in files.done]
         tally.skipped = len(rows) - len(todo)
-        batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
-                                    system_prompt=opts.system_prompt, priority=opts.priority,
-                                    webhook_url=opts.webhook_url, **opts.defaults)
+        try:
+            batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
+                                        system_prompt=opts.system_prompt,
+                                        priority=opts.priority, webhook_url=opts.webhook_url,
+                                        **opts.defaults)
+        except ValueError:  # refused before anything was stored: leave no file behind
+            files.close()
+            for path in files.created:
+                path.unlink(missing_ok=True)
+            raise
         kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
         whole = len(kinds) == len(batch.job_ids)
         with _progress(len(rows), tally.skipped, opts.progress) as bar:

@@ -19,7 +19,7 @@ from jobs.db import check_schema
 from jobs.schemas import JobStatus
 from jobs.sdk import BatchHandle, Client, JobHandle
 from jobs.settings import connection_settings
-from jobs.tables import format_stats, format_table
+from jobs.tables import format_stats, format_table, printable
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -42,7 +42,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     submit.add_argument("--seed", type=int, help="default for rows that set none")
     submit.add_argument("--priority", type=int, default=0, help="lower runs first")
     submit.add_argument("--batch-id", help="default: the one recorded in OUTPUT.batch by an "
-                                           "earlier run (resume), else a new random id")
+                                           "earlier run on the same input (resume), else a "
+                                           "new random id")
     submit.add_argument("--webhook-url",
                         help="POSTed the batch's completion event (by kvbatch control)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
@@ -88,14 +89,20 @@ def _submit(args: argparse.Namespace) -> int:
     try:
         rows = read_rows(args.input)
     except (OSError, ValueError) as exc:
-        print(f"kvbatch submit: {exc}", file=sys.stderr)
+        print(f"kvbatch submit: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     defaults = {k: v for k, v in (("max_tokens", args.max_tokens),
                                   ("temperature", args.temperature), ("top_p", args.top_p),
                                   ("seed", args.seed)) if v is not None}
+    try:
+        batch_id = resume_batch_id(args.input, args.output, args.batch_id)
+    except ValueError as exc:
+        print(f"kvbatch submit: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
     opts = BulkOptions(
-        output=args.output, errors=None if args.errors == "inline" else Path(args.errors),
-        batch_id=resume_batch_id(args.output, args.batch_id), model=args.model,
+        input=args.input, output=args.output,
+        errors=None if args.errors == "inline" else Path(args.errors),
+        batch_id=batch_id, model=args.model,
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
         webhook_url=args.webhook_url, progress=args.progress,
     )
@@ -107,7 +114,7 @@ def _submit(args: argparse.Namespace) -> int:
         try:
             tally = run_bulk(client, rows, opts)
         except ValueError as exc:
-            print(f"kvbatch submit: {exc}", file=sys.stderr)
+            print(f"kvbatch submit: {printable(str(exc))}", file=sys.stderr)
             return EXIT_USAGE
         except KeyboardInterrupt:
             print("\ninterrupted: the jobs keep running; run the same command again to "

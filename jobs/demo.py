@@ -28,7 +28,7 @@ from jobs.rows import parse_row
 from jobs.sdk import Client
 from jobs.settings import ConnectionSettings, mask_url
 from jobs.stats import aggregate
-from jobs.tables import format_job_rows, format_stats
+from jobs.tables import format_job_rows, format_stats, printable
 
 SYSTEM_PROMPT = (
     "You are kvbatch's demo assistant. Answer the user's question in one or two short "
@@ -96,7 +96,8 @@ def run_demo(args: argparse.Namespace) -> int:
         questions = {f"q{i}": q for i, q in enumerate(QUESTIONS[: args.num_prompts])}
         rows = [parse_row({"custom_id": cid, "messages": [{"role": "user", "content": q}]}, 0)
                 for cid, q in questions.items()]
-        opts = BulkOptions(output=output, errors=None, batch_id=batch_id, model=args.model,
+        opts = BulkOptions(input=Path(__file__), output=output, errors=None,  # QUESTIONS
+                           batch_id=batch_id, model=args.model,
                            system_prompt=SYSTEM_PROMPT,
                            defaults={"max_tokens": args.max_tokens, "temperature": 0.0})
         run_bulk(client, rows, opts)
@@ -106,7 +107,7 @@ def run_demo(args: argparse.Namespace) -> int:
                                      for cid in list(questions)[:ANSWERS_SHOWN]])
         for info in sorted(infos, key=lambda i: list(questions).index(str(i.custom_id))):
             answer = info.result.text.strip() if info.result else f"({info.error})"
-            print(f"\nQ: {questions[str(info.custom_id)]}\nA: {answer}")
+            print(f"\nQ: {questions[str(info.custom_id)]}\nA: {printable(answer)}")
         stats_rows = batch.jobs.job_stats_rows(batch_id=batch_id)
         print(f"\nper job (the job_stats view, batch {batch_id}):")
         print(format_job_rows(stats_rows))

@@ -4,6 +4,7 @@ secrets are not printed, names cannot drive the terminal."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -52,12 +53,31 @@ def test_default_batch_ids_are_random_and_recorded_for_resume(
         capsys.readouterr()
         assert main(["submit", str(data), "-o", str(tmp_path / name), "--model", "tiny",
                      "--no-progress", *cli_args]) == 0
-        batch_id = (tmp_path / f"{name}.batch").read_text().strip()
+        batch_id = json.loads((tmp_path / f"{name}.batch").read_text())["batch_id"]
         assert capsys.readouterr().err.startswith(f"batch {batch_id}: 1 rows")
         recorded.append(batch_id)
     assert recorded[0] == recorded[1] != recorded[2]  # resumed; a new output, a new batch
     assert all(b.startswith("ds-") and len(b) == 3 + 32 for b in recorded)  # 128 random bits
     assert [cid for _, cid, _ in client.jobs.batch_jobs(recorded[0])] == ["r0"]  # ran once
+    # Another dataset into the same output would take its results for its own: refused.
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"custom_id": "r0", "prompt": "something else", "max_tokens": 2}\n')
+    capsys.readouterr()
+    assert main(["submit", str(other), "-o", str(tmp_path / "a.jsonl"), "--model", "tiny",
+                 "--no-progress", *cli_args]) == 2
+    assert "holds the results of" in capsys.readouterr().err
+
+
+def test_a_refused_submission_leaves_no_file_behind(
+        tmp_path: Path, client: Client, cli_args: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "fine"}\n{"prompt": "x", "temperature": -1}\n')
+    assert main(["submit", str(data), "-o", str(tmp_path / "out.jsonl"), "--no-progress",
+                 *cli_args]) == 2
+    assert "temperature must be >= 0.0" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+    assert client.jobs.count_by_status() == {}
 
 
 def test_an_output_that_is_not_a_results_file_is_left_untouched(
