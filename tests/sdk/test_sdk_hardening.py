@@ -5,13 +5,16 @@ secrets are not printed, names cannot drive the terminal."""
 from __future__ import annotations
 
 import json
+from argparse import Namespace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 from services import REDIS_URL, all_roles_store
+from sqlalchemy import text
 
+from jobs.demo import worker_command
 from jobs.schemas import JobSpec, JobStatus
 from jobs.sdk import Client
 from jobs.settings import mask_url, redact_urls
@@ -111,20 +114,37 @@ def test_exports_stay_in_their_directory(tmp_path: Path, client: Client) -> None
     assert Path(path).parent == export_dir.resolve() and Path(path).read_text().count("\n") == 1
 
 
-def test_secrets_are_masked_and_urls_redacted() -> None:
+def test_secrets_are_masked_and_urls_redacted(client: Client) -> None:
     assert mask_url("postgresql://kv:hunter2@db:5432/kv") == "postgresql://kv:***@db:5432/kv"
     assert mask_url("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
     assert mask_url("sqlite:///kvbatch.db") == "sqlite:///kvbatch.db"
     error = "URLError: <urlopen error https://u:tok@hooks.example.com/x?key=abc refused>"
     assert redact_urls(error) == "URLError: <urlopen error <url> refused>"
-    demo = (REPO / "jobs" / "demo.py").read_text()
-    assert '"--redis-url", redis_url' not in demo and "mask_url(database_url)" in demo
+    # What the control plane stores for dashboards' readers holds no URL.
+    store = SQL(client.jobs.engine)
+    store.insert_jobs([JobSpec(model="tiny", prompt="x", batch_id="hooked")])
+    store.record_webhook_attempt("hooked", 0.0, error, max_attempts=3, retry_in_s=1.0)
+    with client.jobs.engine.connect() as conn:
+        stored = conn.execute(text("SELECT webhook_error FROM batches WHERE id = 'hooked'"))
+        assert stored.scalar() == "URLError: <urlopen error <url> refused>"
+    # The demo's worker gets its URLs through the environment, not its command line (ps).
+    cmd, env = worker_command(Namespace(model="m", dtype="float32"), "redis://:pw@r:6379/0",
+                              "postgresql://kv:pw@db/kv", "prefix")
+    assert not any("pw" in part for part in cmd)
+    assert env["KVBATCH_REDIS_URL"] == "redis://:pw@r:6379/0"
 
 
 def test_metrics_listen_on_loopback_by_default() -> None:
-    from worker.settings import WorkerSettings
+    from prometheus_client import CollectorRegistry
 
-    assert WorkerSettings.model_fields["metrics_host"].default == "127.0.0.1"
+    from worker.main import serve_metrics
+    from worker.settings import worker_settings
+
+    server = serve_metrics(worker_settings(model="m", metrics_port=0), CollectorRegistry())
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown()
 
 
 def test_model_names_are_restricted_and_terminal_escapes_neutralized(

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import types
-from typing import Any, Union, get_args, get_origin
 
 from pydantic import Field, field_validator
 
 from jobs.constants import DEFAULT_MAX_DELIVERIES
 from jobs.settings import ConnectionSettings
+from worker.settings import add_flag
 
 
 class ControlSettings(ConnectionSettings):
@@ -83,17 +82,9 @@ class ControlSettings(ConnectionSettings):
 def add_control_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--flag`` per settings field; unset flags fall back to environment and defaults."""
     for name, field in ControlSettings.model_fields.items():
-        kind = _scalar(field.annotation)
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind,
-                            default=argparse.SUPPRESS, help=field.description)
+        add_flag(parser, name, field)
 
 
 def control_settings_from_args(args: argparse.Namespace) -> ControlSettings:
     given = {k: v for k, v in vars(args).items() if k in ControlSettings.model_fields}
     return ControlSettings(**given)
-
-
-def _scalar(annotation: Any) -> type:
-    if get_origin(annotation) in (Union, types.UnionType):
-        annotation = next(a for a in get_args(annotation) if a is not type(None))
-    return annotation if annotation in (int, float) else str
