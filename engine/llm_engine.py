@@ -147,7 +147,7 @@ class LLMEngine:
             raise ValueError(
                 f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}"
             )
-        self._check_bounds(params)
+        self.processor.check_sampling(params)
         token_ids = self.processor.tokenize(prompt)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
@@ -162,19 +162,6 @@ class LLMEngine:
         )
         self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
         self.scheduler.add(seq)
-
-    def _check_bounds(self, params: SamplingParams) -> None:
-        # What the sampler indexes with must fit this model: a value that passed the
-        # SamplingParams rules but not these would fail its whole step.
-        vocab = self.info.vocab_size
-        outside = sorted(t for t in params.stop_token_ids if t >= vocab)
-        if outside:
-            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
-                             f"(size {vocab})")
-        if params.top_k > vocab:
-            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; the next :meth:`step` reports it (``abort``)."""

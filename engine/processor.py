@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.runtime import RuntimeInfo
+from engine.sampling_params import SamplingParams
 from engine.sequence import RequestMetrics, Sequence
 
 Prompt = str | list[int] | list[dict[str, str]]
@@ -22,6 +23,20 @@ class Processor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, info: RuntimeInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` for sampling values this model cannot take: what the sampler
+        indexes with must fit its vocabulary (a value that passed the ``SamplingParams`` rules
+        but not these would fail its whole step)."""
+        vocab = self.info.vocab_size
+        outside = sorted(t for t in params.stop_token_ids if t >= vocab)
+        if outside:
+            raise ValueError(f"stop_token_ids {outside[:5]} are outside the vocabulary "
+                             f"(size {vocab})")
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, validated.
