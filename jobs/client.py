@@ -19,7 +19,7 @@ import redis
 from sqlalchemy import Engine
 
 from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL, Keys
-from jobs.db import as_engine
+from jobs.db import as_engine, require_database
 from jobs.follow import Follower
 from jobs.limits import JobLimits
 from jobs.queue import JobQueue, publish_done, signal_cancel
@@ -49,6 +49,8 @@ class JobClient:
     ) -> None:
         self.redis = redis_client or redis.Redis.from_url(redis_url, decode_responses=True)
         self.keys = Keys(key_prefix)
+        if isinstance(database, str):
+            require_database(database)  # a typo'd SQLite path is an error, not a new file
         self.engine = as_engine(database)
         self.producer = ProducerStore(self.engine)
         self.reader = JobReader(self.engine)

@@ -128,16 +128,24 @@ def check_schema(url_or_engine: str | Engine) -> None:
     :func:`head_revision`. A SQLite file that does not exist is reported without being
     created."""
     engine = as_engine(url_or_engine)
-    # The password stays out of the message (and so out of shells' history): the command
-    # takes the URL from KVBATCH_DATABASE_URL as the failing one did.
-    fix = "run: kvbatch db upgrade (with --database-url or KVBATCH_DATABASE_URL naming it)"
-    if not database_exists(engine.url.render_as_string(hide_password=False)):
-        raise SchemaNotReady(f"database {engine.url.database} does not exist; {fix}")
+    require_database(engine.url.render_as_string(hide_password=False))
     current, head = current_revision(engine), head_revision()
     if current != head:
         state = "is not migrated" if current is None else f"is at revision {current}"
         raise SchemaNotReady(f"database {engine.url!r} {state}, this kvbatch needs {head}; "
-                             f"{fix}")
+                             f"{_FIX}")
+
+
+# The password stays out of messages (and so out of shells' history): the command takes the
+# URL from KVBATCH_DATABASE_URL as the failing one did.
+_FIX = "run: kvbatch db upgrade (with --database-url or KVBATCH_DATABASE_URL naming it)"
+
+
+def require_database(url: str) -> None:
+    """Raise :class:`SchemaNotReady` for a SQLite file that does not exist, without creating
+    it (connecting would)."""
+    if not database_exists(url):
+        raise SchemaNotReady(f"database {make_url(url).database} does not exist; {_FIX}")
 
 
 def database_exists(url: str) -> bool:

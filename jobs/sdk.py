@@ -203,6 +203,10 @@ class Client:
         key_prefix: Redis key prefix shared with the workers (default
             ``$KVBATCH_KEY_PREFIX``, else ``kvbatch``).
         model: served model name used when a call names none.
+
+    Raises:
+        jobs.db.SchemaNotReady: the database is a SQLite file that does not exist (it is not
+            created: ``kvbatch db upgrade`` makes it).
     """
 
     def __init__(self, redis_url: str | None = None, database_url: str | None = None, *,

@@ -557,3 +557,26 @@ def test_tasks_travel_through_redis_to_a_real_worker(keys: Keys, pg_engine: Engi
     assert batch_row(pg_engine, "live").status == "completed"
     assert [e["batch_id"] for e in receiver.events()] == ["live"]
     app.kvbatch_services.close()
+
+
+def test_webhook_posts_have_their_own_slots(keys: Keys, sql_engine: Engine, hook) -> None:  # type: ignore[no-untyped-def]
+    """Slow receivers hold at most webhook_concurrency control threads: a batch that finds
+    every slot taken is finalized on a later pass, its attempt not counted."""
+    receiver = hook()
+    settings = settings_for(keys, str(sql_engine.url.render_as_string(False)),
+                            webhook_url=receiver.url, webhook_concurrency=1)
+    svc = ops.Services.connect(settings)
+    store = SQL(sql_engine)
+    submit(store, 1, batch_id="slow", prefix="s")
+    succeed(store, "s0")
+    assert store.complete_batches(time.time(), settle_s=0.0) == ["slow"]
+    try:
+        assert svc.webhook_slots.acquire(blocking=False)  # a POST to a slow receiver, elsewhere
+        assert ops.finalize_batch(svc, "slow", time.time()) == "busy"
+        assert receiver.requests == []
+        assert store.load("slow").webhook_attempts == 0
+        svc.webhook_slots.release()
+        assert ops.finalize_batch(svc, "slow", time.time()) == "notified"
+        assert len(receiver.requests) == 1
+    finally:
+        svc.close()

@@ -102,3 +102,13 @@ def test_unknown_model_and_unreachable_redis_are_one_line(tmp_path: Path,
     debug = kvbatch(["worker", "--model", "no-such-model", "--redis-url", REDIS_URL,
                      "--database-url", migrated_sqlite, "--debug"], tmp_path)
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_the_sdk_does_not_create_a_database_either(tmp_path: Path) -> None:
+    from jobs.db import SchemaNotReady
+    from jobs.sdk import Client
+
+    missing = tmp_path / "typo.db"
+    with pytest.raises(SchemaNotReady, match=r"typo\.db does not exist; run: kvbatch db upgrade"):
+        Client(REDIS_URL, f"sqlite:///{missing}")
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -37,12 +38,14 @@ class Services:
     engine: Engine
     redis: redis.Redis
     keys: Keys
+    webhook_slots: threading.BoundedSemaphore  # POSTs in flight, at most webhook_concurrency
 
     @classmethod
     def connect(cls, settings: ControlSettings) -> Services:
         return cls(settings, make_engine(settings.database_url),
                    redis.Redis.from_url(settings.redis_url, decode_responses=True),
-                   Keys(settings.key_prefix))
+                   Keys(settings.key_prefix),
+                   threading.BoundedSemaphore(settings.webhook_concurrency))
 
     @property
     def maintenance(self) -> MaintenanceStore:
@@ -97,7 +100,8 @@ def complete_batches(svc: Services, now_s: float) -> list[str]:
 def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
     """Export, publish, POST: what is left of finalizing one settled batch. Returns what
     happened: ``skipped`` (not settled, already finalized, or retry not due), ``notified``,
-    ``retry`` (export or webhook failed, will be retried) or ``gave-up``.
+    ``retry`` (export or webhook failed, will be retried), ``busy`` (every webhook slot in use:
+    a later pass POSTs it) or ``gave-up``.
 
     Every failed attempt, of the export or of the POST, is counted in ``webhook_attempts``
     and retried with backoff. Once ``webhook_max_attempts`` are used, an export that still fails
@@ -136,8 +140,16 @@ def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
             return "gave-up"
         svc.batches.mark_notified(batch_id, now_s)
         return "notified"
-    error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s,
-                       allow=s.webhook_networks, allow_unsigned=s.webhook_allow_unsigned)
+    # At most webhook_concurrency POSTs at once: slow receivers never hold every control
+    # thread (expiry, reaping and purge run on the others). A batch that finds no slot is
+    # finalized on a later pass, its attempt not counted.
+    if not svc.webhook_slots.acquire(blocking=False):
+        return "busy"
+    try:
+        error = post_event(url, event, s.webhook_secret, s.webhook_timeout_s,
+                           allow=s.webhook_networks, allow_unsigned=s.webhook_allow_unsigned)
+    finally:
+        svc.webhook_slots.release()
     settled = svc.batches.record_webhook_attempt(batch_id, now_s,
                                              error or export_error, s.webhook_max_attempts,
                                              retry_in_s, delivered=error is None)

@@ -49,7 +49,9 @@ class ControlSettings(ConnectionSettings):
     webhook_allow_networks: str = Field(
         "", description="comma-separated networks webhooks may reach although not global "
                         "(e.g. 10.0.0.0/8); loopback, private, link-local are refused otherwise")
-    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_timeout_s: float = Field(10.0, gt=0, description="the whole of one attempt")
+    webhook_concurrency: int = Field(
+        2, ge=1, description="webhook POSTs at once; the other control threads stay free")
     webhook_max_attempts: int = Field(8, ge=1)
     webhook_backoff_s: float = Field(30.0, gt=0, description="first retry delay; doubles, "
                                                              "capped at one hour")
