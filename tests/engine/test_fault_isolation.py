@@ -10,11 +10,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from engine.isolation import MAX_BLAMED_WITHOUT_SUCCESS
 
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "a healthy co-tenant"
+
+
+def finish_all(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step until every request finished; their final outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -59,11 +69,7 @@ def test_a_request_that_breaks_the_step_fails_alone(engine: LLMEngine, alone: li
     for i in range(3):
         engine.add_request(f"ok-{i}", PROMPT, HEALTHY)
     engine.add_request("poison", "poison prompt", HEALTHY)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finish_all(engine)
     assert done["poison"].finish_reason == "error"
     assert "IndexError: index 49152 is out of bounds" in (done["poison"].error or "")
     assert all(done[f"ok-{i}"].token_ids == alone and done[f"ok-{i}"].error is None
@@ -118,11 +124,7 @@ def test_a_request_whose_text_cannot_be_decoded_fails_alone(
     monkeypatch.setattr(engine.processor, "stop_reason", failing_stop_reason)
     engine.add_request("fine", PROMPT, HEALTHY)
     engine.add_request("bad-text", "another prompt", HEALTHY)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finish_all(engine)
     assert done["bad-text"].finish_reason == "error"
     assert "UnicodeDecodeError" in (done["bad-text"].error or "")
     assert done["fine"].token_ids == alone
@@ -162,10 +164,6 @@ def test_random_requests_never_hurt_a_healthy_neighbour(
     engine.add_request("healthy", PROMPT, HEALTHY)
     with contextlib.suppress(ValueError):
         engine.add_request("random", prompt, p)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():  # never raises for one request's sake
-            if out.finished:
-                outs[out.request_id] = out
+    outs = finish_all(engine)  # step() never raises for one request's sake
     assert outs["healthy"].token_ids == alone
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
