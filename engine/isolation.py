@@ -5,11 +5,11 @@ each half runs again (the KV it writes is the same, and the step's block copies 
 first attempt), down to single sequences. A sequence that fails alone is its request's fault;
 the others get their tokens.
 
-A fault that is the engine's (a device error, a bug) fails every request it meets. So faults
-are counted: once :data:`MAX_BLAMED_WITHOUT_SUCCESS` requests have been blamed with no
-successful run in between, the next fault is raised, and the caller gives its requests back
-(a worker exits, and its jobs go to other workers) rather than failing every job it holds.
-Two poison requests alone in a step, or one on an idle engine, still fail alone.
+A fault that is the engine's (a device error, a bug) fails every request it meets. So when a
+bisection finds that nothing could run, the runner's warm-up forward is tried as a probe: if it
+fails too, the fault is raised and the caller gives its requests back (a worker exits, and its
+jobs go to other workers) rather than failing them; if it runs, the requests that failed alone
+were the culprits, however many there were.
 
 The sampler's per-request generators may have advanced in a failed attempt, so a seeded
 co-tenant's draw can differ from a fault-free run; greedy outputs do not.
@@ -25,30 +25,34 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-MAX_BLAMED_WITHOUT_SUCCESS = 3
-
 
 class FaultIsolator:
     """Runs steps through ``runner``, bisecting a failed one down to the requests it fails."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.blamed_without_success = 0
+        self._ran = False  # some part of the current step ran
 
     def run(self, batch: SchedulerOutput) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
         """(sampled tokens by seq_id, request id -> error) of the sequences that ran."""
         try:
-            sampled = self.runner.run(batch)
+            return self.runner.run(batch), {}
         except Exception as exc:
+            self._ran = False
             sampled, faults = self._bisect(batch, exc)
-            self.blamed_without_success += len(faults)
-            if self.blamed_without_success >= MAX_BLAMED_WITHOUT_SUCCESS and not sampled:
+            if not self._ran and not self._engine_works():
                 raise  # every request it meets fails: the engine's fault, not theirs
             log.warning("step failed (%s: %s); failed alone: %s", type(exc).__name__, exc,
                         ", ".join(sorted(faults)))
             return sampled, faults
-        self.blamed_without_success = 0
-        return sampled, {}
+
+    def _engine_works(self) -> bool:
+        try:
+            self.runner.warm_up()  # a decode over the cache, no request involved
+        except Exception:
+            log.exception("the engine fails without any request: its fault")
+            return False
+        return True
 
     def _bisect(self, batch: SchedulerOutput,
                 exc: Exception) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
@@ -61,7 +65,7 @@ class FaultIsolator:
             part = _part(seqs, ())  # the block copies ran with the first attempt
             try:
                 sampled |= self.runner.run(part)
-                self.blamed_without_success = 0
+                self._ran = True
             except Exception as part_exc:
                 part_sampled, part_faults = self._bisect(part, part_exc)
                 sampled |= part_sampled

@@ -237,8 +237,12 @@ class LLMEngine:
         for seq in live:
             self.kv.forget(seq)
         self.scheduler.finish(live, "error")
-        out = self._output(req, finished=True)
-        out.error = f"failed in the engine step: {error}"
+        error = f"failed in the engine step: {error}"
+        try:
+            out = self._output(req, finished=True)
+        except Exception:  # its text cannot be decoded either: the error alone
+            return Processor.error_output(request_id, error)
+        out.error = error
         return out
 
     def generate(

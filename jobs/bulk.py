@@ -82,9 +82,15 @@ def resume_batch_id(input_path: Path, output: Path, given: str | None = None) ->
         return given
     recorded = batch_id_file(output)
     if recorded.is_file():
-        record = json.loads(recorded.read_text())
-        if record["input"] != str(input_path.resolve()):
-            raise ValueError(f"{output} holds the results of {record['input']}, not of "
+        text = recorded.read_text().strip()
+        try:
+            record = json.loads(text)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            return text  # recorded by a kvbatch that wrote the id alone
+        if record.get("input") != str(input_path.resolve()):
+            raise ValueError(f"{output} holds the results of {record.get('input')}, not of "
                              f"{input_path}: give another -o, or --batch-id to mix them")
         return str(record["batch_id"])
     if output.is_file() and output.stat().st_size:
@@ -183,8 +189,16 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
     files = OutputFiles(opts.output, opts.errors)
     tally = RunTally()
     try:
+        ids = {r.custom_id for r in rows}
+        foreign = sorted(files.done - ids)
+        if foreign:  # its rows with the same custom_id would count as done
+            files.close()
+            _remove(files.created)
+            raise ValueError(f"{opts.output} holds results of rows this input does not have "
+                             f"(custom_id {foreign[0]!r}): give another -o")
         record = batch_id_file(opts.output)
-        if not record.exists():
+        previous = record.read_text() if record.exists() else None
+        if previous is None:
             files.created.append(record)
         # Recorded before the jobs exist: a run killed right after submitting resumes them.
         record_batch_id(opts.input, opts.output, opts.batch_id)
@@ -195,10 +209,11 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
                                         system_prompt=opts.system_prompt,
                                         priority=opts.priority, webhook_url=opts.webhook_url,
                                         **opts.defaults)
-        except ValueError:  # refused before anything was stored: leave no file behind
+        except ValueError:  # refused before anything was stored: leave the files as they were
             files.close()
-            for path in files.created:
-                path.unlink(missing_ok=True)
+            _remove(files.created)
+            if previous is not None:
+                record.write_text(previous)
             raise
         kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
         whole = len(kinds) == len(batch.job_ids)
@@ -215,6 +230,11 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
     finally:
         files.close()
     return tally
+
+
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _progress(total: int, initial: int, enabled: bool):  # type: ignore[no-untyped-def]

@@ -47,9 +47,17 @@ def reconcile(store: MaintenanceStore, queue: JobQueue, grace_s: float,
             if job_id not in in_stream and not (status == JobStatus.RUNNING and worker_id in live)
         ]
         if missing:
+            specs, invalid = store.specs(missing)
             queue.ensure_group()
-            queue.enqueue(store.specs(missing))
-            requeued += missing
+            queue.enqueue(specs)
+            requeued += [spec.id for spec in specs]
+            # Stored by an older kvbatch and refused by today's rules: they fail, with why.
+            failed = store.fail({job_id: f"stored job no longer valid: {reason}"
+                                 for job_id, reason in invalid.items()}, now_s)
+            if failed:
+                queue.publish_done((job_id, JobStatus.FAILED.value) for job_id in failed)
+                log.warning("reconciler failed %d stored %s jobs that no longer validate",
+                            len(failed), queue.model)
     if requeued:
         log.warning("reconciler re-enqueued %d %s jobs missing from Redis", len(requeued),
                     queue.model)

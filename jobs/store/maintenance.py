@@ -5,7 +5,6 @@ Every method is idempotent: state changes are guarded by the rows' current statu
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
@@ -15,8 +14,6 @@ from sqlalchemy.orm import Session
 from jobs.models import Batch, Job, JobMetrics
 from jobs.schemas import BatchStatus, JobSpec, JobStatus
 from jobs.store.transitions import ACTIVE, EXPIRED_ERROR, db_now, end_many, to_dt
-
-log = logging.getLogger(__name__)
 
 
 class MaintenanceStore:
@@ -46,20 +43,32 @@ class MaintenanceStore:
                 return
             after = rows[-1].id
 
-    def specs(self, job_ids: Sequence[str]) -> list[JobSpec]:
-        """The jobs as submitted (what is enqueued again or dead-lettered). A stored job that
-        today's rules refuse (stored by an older kvbatch) is left out and logged, so that it
-        never stops a reconciler or reaper pass."""
+    def specs(self, job_ids: Sequence[str]) -> tuple[list[JobSpec], dict[str, str]]:
+        """The jobs as submitted (what is enqueued again or dead-lettered), and the ids of those
+        today's rules refuse (stored by an older kvbatch) with the reason: never an exception
+        that would stop a reconciler or reaper pass."""
         with Session(self.engine) as session:
             rows = session.execute(select(Job.id, Job.spec).where(Job.id.in_(job_ids))).all()
-        specs = []
+        specs, invalid = [], {}
         for row in rows:
             try:
                 specs.append(JobSpec.model_validate(row.spec))
             except ValueError as exc:
-                log.warning("job %s: its stored spec is no longer valid, left as it is: %s",
-                            row.id, " ".join(str(exc).split())[:300])
-        return specs
+                invalid[row.id] = " ".join(str(exc).split())[:500]
+        return specs, invalid
+
+    def fail(self, errors: dict[str, str], now_s: float) -> list[str]:
+        """Fail the active jobs among ``errors`` (id -> reason); return those failed now."""
+        if not errors:
+            return []
+        with Session(self.engine) as session, session.begin():
+            rows = session.execute(
+                select(Job.id, Job.status).where(Job.id.in_(list(errors)),
+                                                 Job.status.in_(ACTIVE)).with_for_update()
+            ).all()
+            ended = end_many(session, [(r.id, r.status, errors[r.id]) for r in rows],
+                             JobStatus.FAILED, now_s)
+        return [job_id for job_id, _ in ended]
 
     def expire_past_deadline(self, now_s: float, *, running_grace_s: float | None = None,
                              model: str | None = None,

@@ -191,6 +191,8 @@ def test_a_trickled_tls_handshake_is_cut_off_at_the_deadline() -> None:
     "fec0::1",  # site-local
     "192.0.0.8",  # IETF protocol assignments
     "100.64.0.1",  # carrier-grade NAT
+    "64:ff9b:1:a00:0:100:808:808",  # local-use NAT64 (RFC 8215)
+    "::ffff:0:a00:1",  # SIIT's IPv4-translated 10.0.0.1
 ])
 def test_addresses_that_carry_or_hide_inward_ones_are_refused(
         address: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.isolation import MAX_BLAMED_WITHOUT_SUCCESS
 
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "a healthy co-tenant"
@@ -78,36 +77,38 @@ def test_a_request_that_breaks_the_step_fails_alone(engine: LLMEngine, alone: li
 
 
 def test_an_engine_wide_fault_is_raised_not_blamed_on_requests(
-        engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fault every request meets is the engine's: once MAX_BLAMED_WITHOUT_SUCCESS requests
-    failed with no run succeeding in between, it is raised (a worker then hands its jobs to
-    others) instead of failing every job; a few poison requests alone still fail alone."""
-    def broken(batch):  # type: ignore[no-untyped-def]
+        engine: LLMEngine, alone: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """When nothing of a failed step can run, a forward with no request in it decides: if it
+    fails too, the fault is the engine's and is raised (a worker then hands its jobs to others
+    instead of failing them); if it runs, the requests were the culprits, however many."""
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(engine.runner, "run", broken)
-    for i in range(MAX_BLAMED_WITHOUT_SUCCESS):
-        engine.add_request(f"all-{i}", f"{PROMPT} {i}", HEALTHY)
+    monkeypatch.setattr(engine.runner, "warm_up", broken)  # the device itself is gone
+    engine.add_request("only", PROMPT, HEALTHY)  # one request alone: no neighbour to compare
     with pytest.raises(RuntimeError, match="illegal memory access"):
         engine.step()
-    for i in range(MAX_BLAMED_WITHOUT_SUCCESS):
-        engine.abort_request(f"all-{i}")
+    engine.abort_request("only")
     monkeypatch.undo()
-    engine.generate([PROMPT], HEALTHY)  # a successful run resets the count
-    assert engine.isolator.blamed_without_success == 0
+    finish_all(engine)
 
-    monkeypatch.setattr(engine.runner, "run", broken)
-    engine.add_request("p1", "poison one", HEALTHY)
-    engine.add_request("p2", "poison two", HEALTHY)
-    outs = engine.step()  # two requests, both failing alone: under the limit
-    assert sorted(o.request_id for o in outs if o.finish_reason == "error") == ["p1", "p2"]
-    engine.add_request("p3", "poison three", HEALTHY)
-    with pytest.raises(RuntimeError):  # the third with no success since: the engine's fault
-        engine.step()
-    engine.abort_request("p3")
-    monkeypatch.undo()
-    while engine.has_unfinished_requests():
-        engine.step()
+    run = engine.runner.run
+
+    def poisons(batch):  # type: ignore[no-untyped-def]
+        if any(s.seq.request_id.startswith("poison") for s in batch.seqs):
+            raise IndexError("index out of range in self")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", poisons)
+    for i in range(4):  # a bad dataset on an idle engine: each fails alone, no crash
+        engine.add_request(f"poison-{i}", f"poison {i}", HEALTHY)
+    done = finish_all(engine)
+    assert sorted(done) == [f"poison-{i}" for i in range(4)]
+    assert all(o.finish_reason == "error" and "IndexError" in (o.error or "")
+               for o in done.values())
+    engine.add_request("healthy", PROMPT, HEALTHY)
+    assert finish_all(engine)["healthy"].token_ids == alone
 
 
 def test_a_request_whose_text_cannot_be_decoded_fails_alone(
@@ -121,7 +122,15 @@ def test_a_request_whose_text_cannot_be_decoded_fails_alone(
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return stop_reason(seq)
 
+    output = engine.processor.output
+
+    def failing_output(request_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if request_id == "bad-text":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return output(request_id, *args, **kwargs)
+
     monkeypatch.setattr(engine.processor, "stop_reason", failing_stop_reason)
+    monkeypatch.setattr(engine.processor, "output", failing_output)  # decoding fails too
     engine.add_request("fine", PROMPT, HEALTHY)
     engine.add_request("bad-text", "another prompt", HEALTHY)
     done = finish_all(engine)

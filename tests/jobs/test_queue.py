@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import time
 
 import redis
@@ -108,3 +109,22 @@ def test_cancel_queued_and_running(redis_client: redis.Redis, keys: Keys,
     assert client.cancel(b) is JobStatus.RUNNING
     q = JobQueue(redis_client, "m", keys)
     assert q.cancel_requested([a, b]) == [b]
+
+
+def test_reconciler_fails_stored_jobs_that_no_longer_validate(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    """A job stored by an older kvbatch that today's rules refuse fails, with why, instead of
+    stopping the pass or staying queued forever."""
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    good, old = JobSpec(model="m", prompt="fine"), JobSpec(model="m", prompt="old")
+    SQL(client.engine).insert_jobs([good, old])
+    with pg_engine.begin() as conn:  # as an older kvbatch stored it: a top_k now refused
+        spec = {**old.model_dump(mode="json"), "sampling": {"top_k": 2**40}}
+        conn.execute(sa.text("UPDATE jobs SET spec = :spec WHERE id = :id"),
+                     {"spec": json.dumps(spec), "id": old.id})
+    q = JobQueue(redis_client, "m", keys)
+    report = reconcile(SQL(client.engine), q, grace_s=0.0)
+    assert report.requeued == [good.id]
+    info = client.get(old.id)
+    assert info is not None and info.status is JobStatus.FAILED
+    assert info.error.startswith("stored job no longer valid:") and "top_k" in info.error

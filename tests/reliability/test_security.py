@@ -80,7 +80,7 @@ def test_size_limits_and_bound_parameters(redis_client: redis.Redis, keys: Keys,
     client.submit([spec])
     info = client.get(spec.id)
     assert info.custom_id == hostile and info.metadata == {hostile: hostile}
-    assert SQL(client.engine).specs([spec.id])[0].prompt == hostile
+    assert SQL(client.engine).specs([spec.id])[0][0].prompt == hostile
     with pg_engine.connect() as conn:
         assert conn.execute(sa.text("SELECT count(*) FROM jobs")).scalar_one() == 1
 

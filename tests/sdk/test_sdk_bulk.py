@@ -154,9 +154,9 @@ def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  
     assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
     assert _lines(errors) == []
     # The system prompt reached the chat rows (and not the completion row).
-    spec = SQL(client.jobs.engine).specs([client.batch("oai").job_ids["chat-0"]])[0]
+    spec = SQL(client.jobs.engine).specs([client.batch("oai").job_ids["chat-0"]])[0][0]
     assert spec.messages[0].role == "system" and spec.messages[0].content == "Be brief."
-    assert SQL(client.jobs.engine).specs([client.batch("oai").job_ids["cmpl-0"]])[0].prompt
+    assert SQL(client.jobs.engine).specs([client.batch("oai").job_ids["cmpl-0"]])[0][0].prompt
 
     capsys.readouterr()
     assert main(["status", "oai", *cli_args]) == 0

@@ -71,6 +71,27 @@ def test_default_batch_ids_are_random_and_recorded_for_resume(
     assert "holds the results of" in capsys.readouterr().err
 
 
+def test_outputs_without_a_record_resume_or_refuse(
+        tmp_path: Path, client: Client, cli_args: list[str], start_worker,  # type: ignore[no-untyped-def]
+        capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"custom_id": "r0", "prompt": "hi", "max_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    # Results of another dataset, from a kvbatch that kept no record: refused, untouched.
+    out.write_text('{"custom_id": "elsewhere", "text": "x"}\n')
+    submit = ["submit", str(data), "-o", str(out), "--model", "tiny", "--no-progress",
+              *cli_args]
+    assert main(submit) == 2
+    assert "holds results of rows this input does not have" in capsys.readouterr().err
+    assert out.read_text() == '{"custom_id": "elsewhere", "text": "x"}\n'
+    # A record holding the id alone (as kvbatch wrote it before) is resumed.
+    out.unlink()
+    (tmp_path / "out.jsonl.batch").write_text("ds-legacy\n")
+    start_worker()
+    assert main(submit) == 0
+    assert [cid for _, cid, _ in client.jobs.batch_jobs("ds-legacy")] == ["r0"]
+
+
 def test_a_refused_submission_leaves_no_file_behind(
         tmp_path: Path, client: Client, cli_args: list[str],
         capsys: pytest.CaptureFixture[str]) -> None:

@@ -189,7 +189,8 @@ def reap(svc: Services, now_s: float) -> list[str]:
         reaped += page
     if not reaped:
         return []
-    specs = {spec.id: spec for spec in svc.maintenance.specs([job_id for job_id, _, _ in reaped])}
+    specs = {spec.id: spec
+             for spec in svc.maintenance.specs([job_id for job_id, _, _ in reaped])[0]}
     by_model: dict[str, list[tuple[str, int]]] = defaultdict(list)
     for job_id, model, attempts in reaped:
         by_model[model].append((job_id, attempts))

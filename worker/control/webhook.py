@@ -114,14 +114,18 @@ _DENIED = tuple(ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
     "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15", "198.51.100.0/24",
     "203.0.113.0/24", "224.0.0.0/4", "240.0.0.0/4",
-    "::/127", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10", "fec0::/10", "ff00::/8",
+    "::/127", "64:ff9b:1::/48", "100::/64", "2001:db8::/32", "fc00::/7", "fe80::/10",
+    "fec0::/10", "ff00::/8",
 ))
-_NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
-_V4_COMPATIBLE = ipaddress.ip_network("::/96")
+# IPv6 prefixes whose last 32 bits are an IPv4 address the packet reaches: NAT64, IPv4-compatible,
+# SIIT's IPv4-translated.
+_CARRY_IPV4 = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::/96", "::ffff:0:0:0/96"))
 
 
 def _reachable(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
                allow: Sequence[IPNetwork]) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # the IPv4 socket it is
     if any(ip in net for net in allow if net.version == ip.version):
         return True
     if not ip.is_global or ip.is_multicast or any(ip in net for net in _DENIED
@@ -138,7 +142,7 @@ def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
     found = [v4 for v4 in (ip.ipv4_mapped, ip.sixtofour) if v4 is not None]
     if ip.teredo is not None:
         found += list(ip.teredo)
-    if any(ip in net for net in _NAT64) or ip in _V4_COMPATIBLE:
+    if any(ip in net for net in _CARRY_IPV4):
         found.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
     return found
 
@@ -186,6 +190,11 @@ def _connect(address: str, port: int, deadline: float) -> socket.socket:
     return socket.create_connection((address, port), remaining)
 
 
+def _check_time(deadline: float) -> None:
+    if time.monotonic() >= deadline:
+        raise TimeoutError("the deadline passed while connecting")
+
+
 class _PinnedHTTP(http.client.HTTPConnection):
     """HTTP to the resolved address; ``Host`` stays the URL's host."""
 
@@ -195,6 +204,7 @@ class _PinnedHTTP(http.client.HTTPConnection):
 
     def connect(self) -> None:
         self.sock = _connect(self._address, self.port, self._deadline)
+        _check_time(self._deadline)  # the watchdog may have fired before there was a socket
 
 
 class _PinnedHTTPS(http.client.HTTPSConnection):
@@ -207,8 +217,14 @@ class _PinnedHTTPS(http.client.HTTPSConnection):
 
     def connect(self) -> None:
         sock = _connect(self._address, self.port, self._deadline)
-        self.sock = sock  # before the handshake, so that the deadline can cut it too
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)  # type: ignore[attr-defined]
+        # The TLS socket is in place before the handshake, so that the watchdog can cut that
+        # too (wrap_socket takes over the plain socket's descriptor).
+        tls = self._context.wrap_socket(sock, server_hostname=self.host,  # type: ignore[attr-defined]
+                                        do_handshake_on_connect=False)
+        self.sock = tls
+        _check_time(self._deadline)
+        tls.settimeout(max(self._deadline - time.monotonic(), 0.01))
+        tls.do_handshake()
 
 
 def backoff_s(attempts: int, first_s: float) -> float:
