@@ -43,12 +43,12 @@ class Follower:
 
     def notice(self, message: dict[str, Any] | None) -> None:
         """Record a done-channel message (a pub/sub message dict, or None)."""
-        if not message or message.get("type") != "message":
-            return
-        try:
-            job_id = json.loads(message["data"]).get("id")
-        except (ValueError, AttributeError):
-            return
+        job_id = done_job_id(message)
+        if job_id is not None:
+            self.notice_id(job_id)
+
+    def notice_id(self, job_id: str) -> None:
+        """Record that ``job_id`` was announced done."""
         if job_id in self.pending:
             self._noticed.add(job_id)
 
@@ -82,3 +82,14 @@ class Follower:
             if sum(n for s, n in counts.items() if s.terminal) <= self.reported:
                 return set()
         return self.store.terminal_ids(sorted(self.pending))
+
+
+def done_job_id(message: dict[str, Any] | None) -> str | None:
+    """The job id a done-channel message announces (None for anything else)."""
+    if not message or message.get("type") != "message":
+        return None
+    try:
+        job_id = json.loads(message["data"]).get("id")
+    except (ValueError, AttributeError):
+        return None
+    return job_id if isinstance(job_id, str) else None

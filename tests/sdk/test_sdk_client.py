@@ -139,3 +139,42 @@ def test_submit_batch_sets_the_batch_webhook_and_deadline(client: Client) -> Non
     assert hooked.webhook_url == "http://127.0.0.1:9/hook"
     assert hooked.deadline_at is not None and hooked.deadline_at.timestamp() == deadline.timestamp()
     assert plain.webhook_url is None and plain.deadline_at is None
+
+
+def test_thousands_of_async_waiters_share_one_subscription(services) -> None:  # type: ignore[no-untyped-def]
+    """2,000 concurrent ``result()`` awaits once opened 2,000 pub/sub connections and most
+    failed with MaxConnectionsError; they share one subscription now, and each wakes on its own
+    job's notice."""
+    import redis
+
+    from jobs.aio import AsyncJobHandle
+    from jobs.queue import publish_done
+    from jobs.schemas import JobResult, JobSpec, Outcome
+    from jobs.store import DeliveryStore
+
+    n = 2000
+    specs = [JobSpec(model=MODEL, prompt=f"p{i}") for i in range(n)]
+
+    async def main() -> None:
+        async with AsyncClient(model=MODEL, **services) as client:
+            jobs = client.jobs
+            await asyncio.to_thread(jobs.submit, specs)
+            waiters = [asyncio.create_task(AsyncJobHandle(client, s.id).result(timeout_s=300))
+                       for s in specs]
+            await asyncio.sleep(0.5)  # every waiter subscribed and polling
+            plain = redis.Redis.from_url(services["redis_url"])
+            ((_, subscribers),) = plain.pubsub_numsub(jobs.done_channel)
+            assert subscribers == 1
+            # What a worker does: store the outcomes, then announce them.
+            store, ids = DeliveryStore(jobs.engine), [s.id for s in specs]
+            await asyncio.to_thread(store.begin_deliveries, ids, "w", 3, time.time())
+            await asyncio.to_thread(store.finish, [
+                Outcome(i, JobStatus.SUCCEEDED, time.time(), result=JobResult(text=i))
+                for i in ids])
+            publish_done(plain, jobs.keys, [(i, "succeeded") for i in ids])
+            results = await asyncio.gather(*waiters)
+            assert [r.text for r in results] == ids
+            assert plain.pubsub_numsub(jobs.done_channel) == [(jobs.done_channel.encode(), 1)]
+            plain.close()
+
+    asyncio.run(main())
