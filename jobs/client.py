@@ -76,6 +76,10 @@ class JobClient:
         """
         for spec in specs:
             self.check(spec)  # before anything is stored
+        self._store(specs)
+        return [s.id for s in specs]
+
+    def _store(self, specs: Sequence[JobSpec]) -> None:
         self.producer.insert_jobs(specs)
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
@@ -87,7 +91,6 @@ class JobClient:
                 queue.enqueue(group)
             except redis.RedisError as exc:
                 log.warning("jobs stored but not enqueued (%s); the reconciler will", exc)
-        return [s.id for s in specs]
 
     def submit_batch(self, batch_id: str, specs: Sequence[JobSpec],
                      chunk_size: int = 1000) -> dict[str, str]:
@@ -104,6 +107,10 @@ class JobClient:
 
         Returns:
             ``custom_id`` -> job id for every row of the batch (old and new).
+
+        Raises:
+            ValueError: a row over a limit (:meth:`check`, its ``custom_id`` named), or
+                duplicate ``custom_id``s; nothing was stored.
         """
         custom_ids = [s.custom_id for s in specs]
         if any(s.batch_id != batch_id or s.custom_id is None for s in specs):
@@ -115,8 +122,13 @@ class JobClient:
         existing = {cid: job_id for job_id, cid, _ in self.reader.batch_jobs(batch_id)
                     if cid is not None}
         new = [s for s in specs if s.custom_id not in existing]
+        for spec in new:  # every row before any is stored
+            try:
+                self.check(spec)
+            except ValueError as exc:
+                raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
         for start in range(0, len(new), chunk_size):
-            self.submit(new[start:start + chunk_size])
+            self._store(new[start:start + chunk_size])
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:

@@ -286,8 +286,8 @@ class Client:
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
         Raises:
-            ValueError: a malformed row, or one over a limit (its index is named); nothing
-                was enqueued.
+            ValueError: a malformed row (its index is named) or one over a limit (its
+                ``custom_id`` is named); nothing was enqueued.
             pydantic.ValidationError: as ``ValueError``, from the job schema.
         """
         batch_id = batch_id or f"batch-{uuid.uuid4().hex}"
@@ -305,11 +305,9 @@ class Client:
         for index, raw in enumerate(rows):
             try:
                 row = raw if isinstance(raw, Row) else parse_row(raw, index)
-                spec = row_spec(row, model=model or self.model, batch_id=batch_id,
-                                system_prompt=system_prompt, defaults=defaults,
-                                priority=priority, deadline=deadline)
-                self.jobs.check(spec)
-                specs.append(spec)
+                specs.append(row_spec(row, model=model or self.model, batch_id=batch_id,
+                                      system_prompt=system_prompt, defaults=defaults,
+                                      priority=priority, deadline=deadline))
             except ValidationError as exc:
                 raise ValueError(f"row {index}: {_brief(exc)}") from exc
             except ValueError as exc:
