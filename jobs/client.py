@@ -79,8 +79,8 @@ class JobClient:
         self._store(specs)
         return [s.id for s in specs]
 
-    def _store(self, specs: Sequence[JobSpec]) -> None:
-        self.producer.insert_jobs(specs)
+    def _store(self, specs: Sequence[JobSpec], **batch: Any) -> None:
+        self.producer.insert_jobs(specs, **batch)
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)
@@ -92,8 +92,9 @@ class JobClient:
             except redis.RedisError as exc:
                 log.warning("jobs stored but not enqueued (%s); the reconciler will", exc)
 
-    def submit_batch(self, batch_id: str, specs: Sequence[JobSpec],
-                     chunk_size: int = 1000) -> dict[str, str]:
+    def submit_batch(self, batch_id: str, specs: Sequence[JobSpec], chunk_size: int = 1000, *,
+                     webhook_url: str | None = None,
+                     deadline: datetime | None = None) -> dict[str, str]:
         """Submit the rows of batch ``batch_id`` it does not hold yet; ``custom_id`` is the key.
 
         Rows already in the batch (whatever their status) are neither inserted nor enqueued
@@ -104,6 +105,9 @@ class JobClient:
             batch_id: the batch; every spec must carry it and a ``custom_id`` unique in it.
             specs: the rows.
             chunk_size: rows per transaction and pipeline.
+            webhook_url: the batch's webhook, set by the transaction that creates the batch
+                (an existing batch keeps its own).
+            deadline: the batch's deadline, likewise.
 
         Returns:
             ``custom_id`` -> job id for every row of the batch (old and new).
@@ -128,7 +132,8 @@ class JobClient:
             except ValueError as exc:
                 raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
         for start in range(0, len(new), chunk_size):
-            self._store(new[start:start + chunk_size])
+            self._store(new[start:start + chunk_size], webhook_url=webhook_url,
+                        deadline=deadline)
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:

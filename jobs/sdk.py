@@ -312,9 +312,8 @@ class Client:
                 raise ValueError(f"row {index}: {_brief(exc)}") from exc
             except ValueError as exc:
                 raise ValueError(f"row {index}: {exc}") from exc
-        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size)
-        if current is None and specs and (webhook_url is not None or deadline is not None):
-            self.jobs.configure_batch(batch_id, webhook_url=webhook_url, deadline=deadline)
+        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
+                                         deadline=deadline)
         return BatchHandle(self.jobs, batch_id, job_ids)
 
     def job(self, job_id: str) -> JobHandle:

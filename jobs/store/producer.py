@@ -20,8 +20,11 @@ class ProducerStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def insert_jobs(self, specs: Sequence[JobSpec]) -> None:
-        """Insert ``specs`` as queued jobs in one transaction (creating missing batch rows)."""
+    def insert_jobs(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
+                    deadline: datetime | None = None) -> None:
+        """Insert ``specs`` as queued jobs in one transaction, creating missing batch rows with
+        ``webhook_url`` and ``deadline``: a batch's settings are those of the submission that
+        created it (an existing batch keeps its own)."""
         if not specs:
             return
         with Session(self.engine) as session, session.begin():
@@ -32,7 +35,8 @@ class ProducerStore:
                 for batch_id in sorted(batch_ids - known):
                     first = next(s for s in specs if s.batch_id == batch_id)
                     session.add(Batch(id=batch_id, model=first.model, meta={},
-                                      created_at=now, num_jobs=0))
+                                      created_at=now, num_jobs=0, webhook_url=webhook_url,
+                                      deadline_at=_aware_utc(deadline)))
                 session.flush()
                 for batch_id in batch_ids:
                     n = sum(1 for s in specs if s.batch_id == batch_id)
@@ -47,7 +51,7 @@ class ProducerStore:
         if webhook_url is not None:
             values["webhook_url"] = webhook_url
         if deadline is not None:
-            values["deadline_at"] = deadline if deadline.tzinfo else deadline.replace(tzinfo=UTC)
+            values["deadline_at"] = _aware_utc(deadline)
         if values:
             with Session(self.engine) as session, session.begin():
                 session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
@@ -86,3 +90,7 @@ def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
         "attempts": 0,
         "cancel_requested": False,
     }
+
+
+def _aware_utc(dt: datetime | None) -> datetime | None:
+    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
