@@ -23,6 +23,7 @@ from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, reso
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import RequestMetrics, Sequence
+from engine.structured_output import StructuredOutput
 from kernels import get_ops, resolve_backend
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,11 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
+        self.structured = StructuredOutput(self.tokenizer, self.info.vocab_size,
+                                           self.info.eos_token_ids)
         self.runner = ModelRunner(
-            model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed
+            model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
+            self.structured,
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
@@ -134,8 +138,9 @@ class LLMEngine:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
                 a prompt that leaves no room for one token within ``max_model_len``, more
                 parallel samples (``n``) than ``max_num_seqs``, or sampling values this
-                model cannot take (``stop_token_ids`` outside its vocabulary, ``top_k`` or
-                ``logprobs`` larger than it).
+                model cannot take (``stop_token_ids`` or ``logit_bias`` ids outside its
+                vocabulary, ``top_k`` or ``logprobs`` larger than it), or a
+                ``response_format`` that does not compile (``GrammarError``).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -149,6 +154,9 @@ class LLMEngine:
             )
         self.processor.check_sampling(params)
         token_ids = self.processor.tokenize(prompt)
+        grammar = None
+        if params.response_format is not None and params.response_format.constrained:
+            grammar = self.structured.matcher(params.response_format)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         seq = Sequence(
@@ -159,6 +167,7 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             cache_salt=cache_salt,
+            grammar=grammar,
         )
         self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
         self.scheduler.add(seq)
@@ -171,6 +180,12 @@ class LLMEngine:
         live = [s for s in req.seqs if not s.is_finished]
         self.scheduler.finish(live, "abort")
         self._aborted.append(self._output(req, finished=True))
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the tokenizer renders chat messages (a job's plain ``prompt`` then becomes
+        one user message)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
@@ -309,6 +324,7 @@ class LLMEngine:
             num_generated_tokens=c.num_generated_tokens,
             num_steps=c.num_steps,
             num_batched_tokens=c.num_batched_tokens,
+            num_grammar_compiles=self.structured.num_compiles,
         )
 
 

@@ -9,9 +9,10 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampled, Sampler, SampleRow
+from engine.sampler import Sampled, Sampler, SampleRow, torch_argmax
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured_output import StructuredOutput
 from kernels import Backend, native
 from kernels.cpu import shared_prefix
 
@@ -31,6 +32,7 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: frozenset[int],
         seed: int,
+        structured: StructuredOutput | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -39,7 +41,8 @@ class ModelRunner:
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         # With the fused CPU layer ops, greedy batches take the C argmax too.
-        self.sampler = Sampler(seed, native.argmax) if backend.fused else Sampler(seed)
+        argmax = native.argmax if backend.fused else torch_argmax
+        self.sampler = Sampler(seed, argmax, structured)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -107,7 +110,7 @@ class ModelRunner:
         extra = seq.fork_generators or [None] * seq.pending_forks
         generators = [seq.generator, *extra[: seq.pending_forks]]
         return [
-            SampleRow(p, seq.prompt_token_ids, seq.output_token_ids, g, blocked)
+            SampleRow(p, seq.prompt_token_ids, seq.output_token_ids, g, blocked, seq.grammar)
             for g in generators
         ]
 

@@ -59,6 +59,7 @@ class EngineStats:
     num_generated_tokens: int
     num_steps: int
     num_batched_tokens: int  # tokens run through the model, all steps
+    num_grammar_compiles: int = 0  # response formats compiled (each distinct one once)
 
     @property
     def tokens_per_step(self) -> float:

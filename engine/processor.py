@@ -37,6 +37,10 @@ class Processor:
             raise ValueError(f"top_k={params.top_k} exceeds the vocabulary size {vocab}")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size {vocab}")
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias token ids {outside[:5]} are outside the vocabulary "
+                             f"(size {vocab})")
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, validated.
@@ -79,8 +83,16 @@ class Processor:
         return token_ids
 
     def stop_reason(self, seq: Sequence) -> str | None:
-        """Why ``seq`` stops after its newest token (``stop`` / ``length``), or None."""
+        """Why ``seq`` stops after its newest token (``stop`` / ``length``), or None.
+
+        Raises:
+            ValueError: its grammar refused the token it sampled (it fails alone).
+        """
         p = seq.params
+        if seq.grammar_error is not None:
+            raise ValueError(seq.grammar_error)
+        if seq.grammar is not None and seq.grammar.is_terminated():
+            return "stop"  # the grammar is complete and took a stop token
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             last = seq.token_ids[-1]

@@ -1,13 +1,19 @@
-"""Batched sampling: penalties, min_tokens, greedy, temperature, top-k/top-p/min-p, logprobs."""
+"""Batched sampling: penalties, logit bias, min_tokens, grammar masks, greedy, temperature,
+top-k/top-p/min-p, logprobs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True)
@@ -19,6 +25,7 @@ class SampleRow:
     output_token_ids: list[int]
     generator: torch.Generator | None  # per-request seed; None: the engine's generator
     blocked_token_ids: tuple[int, ...]  # EOS / stop ids masked while under min_tokens
+    grammar: xgr.GrammarMatcher | None = None  # a constrained sequence's matcher
 
 
 @dataclass(frozen=True)
@@ -27,19 +34,22 @@ class Sampled:
     logprobs: dict[int, float] | None  # sampled token and top-k, from the raw logits
 
 
-def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)
 
 
 class Sampler:
     """``argmax`` picks the greedy tokens of a batch in which nothing edits the logits; the
-    CPU engine passes the C one (``kernels.native.argmax``), which reads bf16 as it is."""
+    CPU engine passes the C one (``kernels.native.argmax``), which reads bf16 as it is.
+    ``structured`` masks the rows of constrained sequences (their ``grammar``)."""
 
     def __init__(
-        self, seed: int, argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax
+        self, seed: int, argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax,
+        structured: StructuredOutput | None = None,
     ) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.argmax = argmax
+        self.structured = structured
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
         """Sample one token per row of ``logits`` ([N, vocab], the model's dtype; worked on
@@ -49,10 +59,22 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = self._raw_logprobs(logits, rows)
         for i, row in enumerate(rows):
-            if row.params.has_penalties:
+            p = row.params
+            if p.has_penalties:
                 _apply_penalties(logits[i], row)
-            if row.blocked_token_ids and len(row.output_token_ids) < row.params.min_tokens:
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            # Under a grammar, the grammar says when the output may end.
+            if (row.blocked_token_ids and row.grammar is None
+                    and len(row.output_token_ids) < p.min_tokens):
                 logits[i, list(row.blocked_token_ids)] = float("-inf")
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            if self.structured is None:
+                raise RuntimeError("a constrained row reached a sampler without structured output")
+            matchers = [g for g in (rows[i].grammar for i in constrained) if g is not None]
+            self.structured.apply_masks(logits, constrained, matchers)
 
         tokens = torch.empty(len(rows), dtype=torch.long)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
@@ -105,7 +127,8 @@ def _plain_greedy(row: SampleRow) -> bool:
     """Greedy with nothing that edits the logits or reads their distribution."""
     p = row.params
     under_min_tokens = row.blocked_token_ids and len(row.output_token_ids) < p.min_tokens
-    return p.greedy and not p.has_penalties and p.logprobs is None and not under_min_tokens
+    return (p.greedy and not p.edits_logits and row.grammar is None and p.logprobs is None
+            and not under_min_tokens)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:  # logits: [vocab]

@@ -7,9 +7,13 @@ where the job is submitted, with the same rules and messages. Torch-free.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Literal
 
 MAX_LOGPROBS = 20
 # Integer fields are 32-bit (token ids, counts); seeds are 63-bit, so that ``seed + i`` of
@@ -17,6 +21,104 @@ MAX_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1
 MAX_N = 2**16
 MAX_SEED = 2**63 - 1 - MAX_N
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 1024
+# Read by pydantic where these dataclasses are field types (the job schema): unknown fields
+# are refused and inf/NaN are not JSON. Plain dict: no pydantic import here.
+_PYDANTIC_CONFIG: dict[str, Any] = {"extra": "forbid", "allow_inf_nan": False}
+
+ResponseFormatType = Literal["text", "json_object", "json_schema", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class JsonSchema:
+    """OpenAI's ``response_format.json_schema``: ``schema`` is a JSON Schema (an object).
+    The output is held to it whatever ``strict`` says (kvbatch always enforces)."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = _PYDANTIC_CONFIG
+
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.name):
+            raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
+        if not isinstance(self.schema, Mapping):
+            raise ValueError("json_schema.schema must be a JSON Schema object")
+        from jsonschema.exceptions import SchemaError
+        from jsonschema.validators import validator_for
+
+        try:
+            validator_for(self.schema).check_schema(self.schema)
+        except SchemaError as exc:
+            where = "/".join(map(str, exc.path)) or "(root)"
+            raise ValueError(f"json_schema.schema is not a valid JSON Schema at {where}: "
+                             f"{exc.message}") from None
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must be, enforced token by token (grammar-constrained decoding).
+
+    OpenAI's shapes: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any
+    JSON object), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``;
+    kvbatch's additions: ``{"type": "regex", "regex": …}``, ``{"type": "choice", "choice":
+    [...]}`` (exactly one of the strings) and ``{"type": "grammar", "grammar": …}`` (EBNF, the
+    GBNF dialect of llama.cpp, with a ``root`` rule). JSON is generated compact (no free
+    whitespace). A regex or grammar the engine's grammar library cannot parse fails its
+    request when it reaches a worker, with the parser's message.
+    """
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = _PYDANTIC_CONFIG
+
+    type: ResponseFormatType = "text"
+    json_schema: JsonSchema | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json_schema, Mapping):
+            object.__setattr__(self, "json_schema", _build(JsonSchema, self.json_schema,
+                                                           "json_schema"))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = ("text", "json_object", "json_schema", "regex", "choice", "grammar")
+        if self.type not in kinds:
+            raise ValueError(f"response_format.type must be one of {', '.join(kinds)}; "
+                             f"got {self.type!r}")
+        payload = {"json_schema": self.json_schema, "regex": self.regex,
+                   "choice": self.choice, "grammar": self.grammar}
+        needed = self.type if self.type in payload else None
+        extra = sorted(k for k, v in payload.items() if v is not None and k != needed)
+        if extra:
+            raise ValueError(f"response_format of type {self.type!r} takes no "
+                             f"{', '.join(extra)}")
+        if needed is not None and payload[needed] is None:
+            raise ValueError(f"response_format of type {self.type!r} needs {needed!r}")
+        if self.type in ("regex", "grammar"):
+            text = payload[self.type]
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f"response_format.{self.type} must be a non-empty string")
+        if self.type == "choice":
+            choice = self.choice or ()
+            if not choice or len(choice) > MAX_CHOICES or not all(
+                    isinstance(c, str) and c for c in choice):
+                raise ValueError(f"response_format.choice must be 1 to {MAX_CHOICES} "
+                                 "non-empty strings")
+
+    @property
+    def constrained(self) -> bool:
+        return self.type != "text"
+
+    @property
+    def key(self) -> str:
+        """A hash of what the output is held to: requests with the same key share one
+        compiled grammar."""
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -40,11 +142,17 @@ class SamplingParams:
         frequency_penalty: subtracted per occurrence from logits of generated tokens.
         logprobs: return the log-probabilities of the sampled token and of the top ``logprobs``
             tokens at each step (None = off).
+        logit_bias: token id -> value in [-100, 100] added to its logit before sampling
+            (OpenAI's ``logit_bias``; -100 bans the token, 100 all but forces it).
+        response_format: what the output must be (JSON schema, regex, choice, grammar; see
+            :class:`ResponseFormat`); a dict in its shape is accepted. Under a constraint,
+            ``min_tokens`` does not hold back EOS once the grammar is complete, and the sample
+            ends when the grammar does.
+
+    ``n > 1`` at temperature 0 gives ``n`` equal samples, as OpenAI does.
     """
 
-    # Read by pydantic where this dataclass is a field type (the job schema): unknown fields
-    # are refused and inf/NaN are not JSON. Plain dict: no pydantic import here.
-    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid", "allow_inf_nan": False}
+    __pydantic_config__: ClassVar[dict[str, Any]] = _PYDANTIC_CONFIG
 
     n: int = 1
     temperature: float = 1.0
@@ -61,11 +169,21 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
-        # Normalise lists to tuples so params stay hashable and immutable.
+        # Lists become tuples and dicts their dataclasses, so that params stay immutable.
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.response_format, Mapping):
+            object.__setattr__(self, "response_format", _build(
+                ResponseFormat, self.response_format, "response_format"))
+        if self.response_format is not None and not isinstance(self.response_format,
+                                                               ResponseFormat):
+            raise ValueError("response_format must be an object with a 'type'")
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         _check_int(self, "n", lo=1, hi=MAX_N)
         _check_float(self, "temperature", lo=0.0)
         _check_float(self, "top_p", lo=0.0, lo_open=True, hi=1.0)
@@ -91,12 +209,20 @@ class SamplingParams:
         _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=MAX_LOGPROBS)
-        if self.n > 1 and self.temperature == 0.0:
-            raise ValueError("n > 1 needs temperature > 0: greedy samples would all be equal")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def constrained(self) -> bool:
+        """The output is held to a grammar (a ``response_format`` other than text)."""
+        return self.response_format is not None and self.response_format.constrained
+
+    @property
+    def edits_logits(self) -> bool:
+        """Penalties, a logit bias or a grammar change the logits before sampling."""
+        return self.has_penalties or bool(self.logit_bias) or self.constrained
 
     @property
     def has_penalties(self) -> bool:
@@ -105,6 +231,35 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _build(cls: type[Any], value: Mapping[str, Any], name: str) -> Any:
+    """``cls(**value)``, with a ``ValueError`` naming unknown keys (as pydantic does)."""
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {', '.join(map(repr, unknown))}")
+    return cls(**value)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise ValueError("logit_bias must be an object of token id -> bias")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(value)} entries, over {MAX_LOGIT_BIAS_ENTRIES}")
+    bias: dict[int, float] = {}
+    for key, item in value.items():
+        try:
+            token = int(key)  # JSON keys are strings
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        if isinstance(key, bool) or not 0 <= token <= MAX_INT32:
+            raise ValueError(f"logit_bias key {key!r} is not a token id")
+        if (isinstance(item, bool) or not isinstance(item, int | float)
+                or not math.isfinite(item) or not -100 <= item <= 100):
+            raise ValueError(f"logit_bias[{token}] must be a number in [-100, 100], got {item!r}")
+        bias[token] = float(item)
+    return bias
 
 
 def _check_int(p: SamplingParams, name: str, lo: int, hi: int | None = None) -> None:

@@ -206,9 +206,7 @@ class Scheduler:
             if seq.pending_forks:
                 family += self._fork(seq, seq.pending_forks)
             for member, sample in zip(family, samples, strict=True):
-                member.token_ids.append(sample.token)
-                if sample.logprobs is not None:
-                    member.logprobs.append(sample.logprobs)
+                member.append(sample.token, sample.logprobs)
                 self.counters.num_generated_tokens += 1
                 progressed.append(member)
         return progressed

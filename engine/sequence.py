@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _seq_ids = itertools.count()
 
@@ -63,6 +67,8 @@ class Sequence:
     generator: torch.Generator | None = None
     fork_generators: list[torch.Generator] = field(default_factory=list)  # seeded children's
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    grammar: xgr.GrammarMatcher | None = None  # follows the output of a constrained request
+    grammar_error: str | None = None  # a sampled token the grammar refused
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -96,6 +102,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def append(self, token: int, logprobs: dict[int, float] | None) -> None:
+        """Add a sampled token; a constrained sequence's grammar accepts it too."""
+        self.token_ids.append(token)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        if self.grammar is not None and not self.grammar.accept_token(token):
+            self.grammar_error = f"token {token} is not allowed by the response_format here"
+
     def sort_key(self) -> tuple[int, int, int]:
         """Scheduling order: lower priority value first, then arrival, then sample index."""
         return (self.priority, self.arrival_order, self.index)
@@ -124,4 +138,5 @@ class Sequence:
             child.generator = None
         child.fork_generators = []
         child.logprobs = list(self.logprobs)
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child

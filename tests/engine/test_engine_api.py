@@ -223,7 +223,7 @@ def test_metrics_are_filled(engine: LLMEngine) -> None:
         ({"frequency_penalty": float("inf")}, "frequency_penalty"),
         ({"logprobs": 100}, "logprobs"),
         ({"seed": -3}, "seed"),
-        ({"n": 2, "temperature": 0.0}, "n > 1"),
+        ({"logit_bias": {"7": 250}}, "logit_bias"),
         ({"max_tokens": "7"}, "max_tokens"),
     ],
 )

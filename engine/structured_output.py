@@ -1,0 +1,130 @@
+"""Grammar-constrained decoding: a request's ``response_format`` as a token mask per step.
+
+xgrammar (the default of vLLM and SGLang) compiles a format into a grammar over the model's
+vocabulary; each constrained sequence holds a matcher that follows its output. Per step the
+sampler asks for the masks of all its constrained rows at once (filled together, in C++
+threads), applies them to the logits on their device, and each sequence's matcher accepts
+the token it sampled (``Sequence.append``).
+
+Compiled grammars are cached by the format's hash (``ResponseFormat.key``): thousands of jobs
+that share one schema compile it once per engine. Preemption keeps a sequence's output and so
+its matcher; a forked sample (``n > 1``) gets a copy of its parent's matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampling_params import ResponseFormat
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerBase
+
+# Compiled grammars kept per engine; a schema's grammar is a few hundred kB at most.
+CACHE_ENTRIES = 512
+# xgrammar prefixes its errors with a time and a source location: "[12:00:00] path.cc:81: ".
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class GrammarError(ValueError):
+    """A response format the grammar library refuses (an unsupported schema, a bad regex)."""
+
+
+class StructuredOutput:
+    """Compiles response formats for one model's vocabulary and fills their token masks.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        vocab_size: rows of the model's logits (may exceed the tokenizer's own vocabulary).
+        stop_token_ids: the tokens that end a sequence whose grammar is complete.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
+                 stop_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None  # built at the first constrained use
+        self._batch: xgr.BatchGrammarMatcher | None = None
+        self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+
+    def matcher(self, fmt: ResponseFormat) -> xgr.GrammarMatcher:
+        """A fresh matcher for ``fmt``; raises :class:`GrammarError` if it cannot compile."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self._compiled(fmt))
+
+    def _compiled(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+        key = fmt.key
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return grammar
+            try:
+                grammar = self._compile(fmt)
+            except RuntimeError as exc:
+                raise GrammarError(f"response_format ({fmt.type}): "
+                                   f"{_LOCATION.sub('', str(exc)).strip()}") from None
+            self.num_compiles += 1
+            self._cache[key] = grammar
+            if len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+            return grammar
+
+    def _compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+        compiler = self._get_compiler()
+        if fmt.type == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if fmt.type == "json_schema":
+            assert fmt.json_schema is not None  # checked by ResponseFormat
+            return compiler.compile_json_schema(json.dumps(fmt.json_schema.schema),
+                                                any_whitespace=False)
+        if fmt.type == "regex":
+            assert fmt.regex is not None
+            return compiler.compile_regex(fmt.regex)
+        if fmt.type == "choice":
+            assert fmt.choice is not None
+            # EBNF string literals take JSON's escapes.
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in fmt.choice)
+            return compiler.compile_grammar(f"root ::= {alternatives}")
+        if fmt.type == "grammar":
+            assert fmt.grammar is not None
+            return compiler.compile_grammar(fmt.grammar)
+        raise GrammarError(f"response_format of type {fmt.type!r} has no grammar")
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(
+                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        return self._compiler
+
+    def apply_masks(self, logits: torch.Tensor, rows: list[int],
+                    matchers: list[xgr.GrammarMatcher]) -> None:
+        """Mask, in place, the tokens each matcher forbids next in ``logits[rows[i]]``.
+
+        The masks are filled together (xgrammar's batch matcher) on the host, then applied
+        on the logits' device.
+        """
+        import xgrammar as xgr
+
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
+        full[rows] = bitmask  # rows without a constraint keep every token (all bits set)
+        xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size)
