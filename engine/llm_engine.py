@@ -187,6 +187,10 @@ class LLMEngine:
         one user message)."""
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of a token (its text may hold part of a character); thread-safe."""
+        return self.structured.token_bytes(token_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted)
 

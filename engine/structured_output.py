@@ -51,7 +51,9 @@ class StructuredOutput:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None  # built at the first constrained use
+        self._info: xgr.TokenizerInfo | None = None  # built at the first use
+        self._info_lock = threading.Lock()
+        self._compiler: xgr.GrammarCompiler | None = None
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -106,10 +108,24 @@ class StructuredOutput:
         if self._compiler is None:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2)
         return self._compiler
+
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        with self._info_lock:
+            if self._info is None:
+                import xgrammar as xgr
+
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size,
+                    stop_token_ids=self._stop_token_ids)
+            return self._info
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a byte-level BPE token may hold part of a UTF-8
+        character); empty for ids past the tokenizer's own vocabulary."""
+        vocab = self._tokenizer_info().decoded_vocab
+        return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
     def apply_masks(self, logits: torch.Tensor, rows: list[int],
                     matchers: list[xgr.GrammarMatcher]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from jobs.rows import Row, RowKind, output_line, parse_row
+from jobs.rows import Row, RowKind, output_line, parse_row, rejected_line, rejected_row
 from jobs.schemas import JobInfo, JobStatus
 from jobs.sdk import Client
 
@@ -40,6 +40,8 @@ class BulkOptions:
         priority: default priority.
         webhook_url: the batch's completion webhook (POSTed by ``kvbatch control``).
         progress: show a progress bar (on stderr).
+        strict: a row that cannot run refuses the whole file (nothing is submitted); else it
+            gets an error line and the other rows run.
     """
 
     input: Path
@@ -52,6 +54,7 @@ class BulkOptions:
     priority: int = 0
     webhook_url: str | None = None
     progress: bool = True
+    strict: bool = False
 
 
 @dataclass
@@ -105,10 +108,18 @@ def record_batch_id(input_path: Path, output: Path, batch_id: str) -> None:
                                                  "input": str(input_path.resolve())}) + "\n")
 
 
-def read_rows(path: Path) -> list[Row]:
+def read_rows(path: Path, strict: bool = True) -> list[Row]:
     """Rows of a JSONL file (plain or OpenAI batch rows) or of a CSV file (a header with
-    ``prompt``, optionally ``custom_id`` and sampling columns). ``ValueError`` names the line
-    of the first bad row."""
+    ``prompt``, optionally ``custom_id`` and sampling columns).
+
+    Args:
+        path: the file.
+        strict: a bad row raises; else it is kept with its ``error`` (to be reported under its
+            ``custom_id``), and only a line that has no ``custom_id`` to report it by raises.
+
+    Raises:
+        ValueError: naming the line of the first bad row.
+    """
     rows: list[Row] = []
     with path.open(newline="" if path.suffix == ".csv" else None) as f:
         records: Iterable[tuple[int, Any]]
@@ -118,11 +129,17 @@ def read_rows(path: Path) -> list[Row]:
         else:
             records = ((i + 1, line) for i, line in enumerate(f) if line.strip())
         for line_no, record in records:
+            obj = None
             try:
                 obj = json.loads(record) if isinstance(record, str) else record
                 rows.append(parse_row(obj, len(rows)))
             except ValueError as exc:
-                raise ValueError(f"{path}:{line_no}: {exc}") from exc
+                if strict or obj is None:
+                    raise ValueError(f"{path}:{line_no}: {exc}") from exc
+                try:
+                    rows.append(rejected_row(obj, len(rows), f"line {line_no}: {exc}"))
+                except ValueError:
+                    raise ValueError(f"{path}:{line_no}: {exc}") from exc
     return rows
 
 
@@ -171,9 +188,15 @@ class OutputFiles:
 
     def write(self, kind: RowKind, info: JobInfo) -> None:
         f = self._out if info.status is JobStatus.SUCCEEDED else self._err
-        f.write(json.dumps(output_line(kind, info), ensure_ascii=False) + "\n")
+        self._line(f, output_line(kind, info), str(info.custom_id))
+
+    def write_rejected(self, row: Row) -> None:
+        self._line(self._err, rejected_line(row), row.custom_id)
+
+    def _line(self, f: IO[str], line: dict[str, Any], custom_id: str) -> None:
+        f.write(json.dumps(line, ensure_ascii=False) + "\n")
         f.flush()
-        self.done.add(str(info.custom_id))
+        self.done.add(custom_id)
 
     def close(self) -> None:
         self._out.close()
@@ -204,20 +227,27 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
         record_batch_id(opts.input, opts.output, opts.batch_id)
         todo = [r for r in rows if r.custom_id not in files.done]
         tally.skipped = len(rows) - len(todo)
+        rejected: dict[str, Row] | None = None if opts.strict else {}
         try:
             batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
                                         system_prompt=opts.system_prompt,
                                         priority=opts.priority, webhook_url=opts.webhook_url,
-                                        **opts.defaults)
+                                        rejected=rejected, **opts.defaults)
         except ValueError:  # refused before anything was stored: leave the files as they were
             files.close()
             _remove(files.created)
             if previous is not None:
                 record.write_text(previous)
             raise
-        kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo}
+        kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo
+                 if r.custom_id in batch.job_ids}
         whole = len(kinds) == len(batch.job_ids)
         with _progress(len(rows), tally.skipped, opts.progress) as bar:
+            for row in (rejected or {}).values():  # refused before it became a job
+                files.write_rejected(row)
+                tally.written += 1
+                tally.failed += 1
+                bar.update(1)
             for info in batch.jobs.follow(list(kinds), batch_id=batch.id if whole else None):
                 files.write(kinds[info.id], info)
                 tally.written += 1

@@ -8,11 +8,13 @@ Connection flags default to ``KVBATCH_REDIS_URL`` / ``KVBATCH_DATABASE_URL`` /
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from jobs.constants import DEFAULT_MODEL
 from jobs.db import check_schema, make_engine
@@ -47,6 +49,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                                            "new random id")
     submit.add_argument("--webhook-url",
                         help="POSTed the batch's completion event (by kvbatch control)")
+    submit.add_argument("--response-format", type=Path, metavar="FILE.json",
+                        help="default response_format for rows that set none (OpenAI's "
+                             "{\"type\": \"json_schema\", \"json_schema\": {...}}, or "
+                             "regex, choice, grammar)")
+    submit.add_argument("--strict", action="store_true",
+                        help="refuse the whole file if any row cannot run (default: such a row "
+                             "gets an error line and the others run)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
     _connection_arguments(submit)
     submit.set_defaults(func=_submit)
@@ -88,17 +97,37 @@ def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
     return Client(conn.redis_url, conn.database_url, key_prefix=conn.key_prefix, model=model)
 
 
+def _response_format(path: Path) -> dict[str, Any]:
+    """The response format in ``path``, checked (``ValueError`` says what is wrong)."""
+    from engine.sampling_params import SamplingParams
+
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a response format is a JSON object with a 'type'")
+    try:
+        SamplingParams(response_format=value)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return value
+
+
 def _submit(args: argparse.Namespace) -> int:
     from jobs.bulk import BulkOptions, read_rows, resume_batch_id, run_bulk
 
     try:
-        rows = read_rows(args.input)
+        rows = read_rows(args.input, strict=args.strict)
+        defaults: dict[str, Any] = {
+            k: v for k, v in (("max_tokens", args.max_tokens),
+                              ("temperature", args.temperature), ("top_p", args.top_p),
+                              ("seed", args.seed)) if v is not None}
+        if args.response_format is not None:
+            defaults["response_format"] = _response_format(args.response_format)
     except (OSError, ValueError) as exc:
         print(f"kvbatch submit: {printable(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
-    defaults = {k: v for k, v in (("max_tokens", args.max_tokens),
-                                  ("temperature", args.temperature), ("top_p", args.top_p),
-                                  ("seed", args.seed)) if v is not None}
     try:
         batch_id = resume_batch_id(args.input, args.output, args.batch_id)
     except ValueError as exc:
@@ -109,7 +138,7 @@ def _submit(args: argparse.Namespace) -> int:
         errors=None if args.errors == "inline" else Path(args.errors),
         batch_id=batch_id, model=args.model,
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
-        webhook_url=args.webhook_url, progress=args.progress,
+        webhook_url=args.webhook_url, progress=args.progress, strict=args.strict,
     )
     with _client(args, args.model) as client:
         print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)

@@ -1,15 +1,20 @@
 """Dataset rows: the two input shapes a batch accepts, and the output line of each.
 
-* Plain: ``{"custom_id": …, "prompt": … | "messages": […], <sampling fields>, "priority": …,
-  "metadata": {…}}``; every key but the prompt is optional (``custom_id`` defaults to the
-  row's index).
+* Plain: ``{"custom_id": …, "prompt": … | "raw_prompt": … | "messages": […], <sampling
+  fields>, "priority": …, "metadata": {…}}``; every key but the prompt is optional
+  (``custom_id`` defaults to the row's index). A ``prompt`` is the user's request (one user
+  message on a chat model), a ``raw_prompt`` goes to the model as it is.
 * OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
   "/v1/completions", "body": {…}}``. The body's ``model`` is not used: a batch runs on one
-  served model, chosen by the caller.
+  served model, chosen by the caller. A completions ``prompt`` is raw text, as OpenAI's is.
+  Besides OpenAI's sampling fields, a body may set any ``SamplingParams`` field by name (as
+  vLLM's server accepts ``top_k``, ``min_p``, …).
 
 Output lines are keyed by ``custom_id`` and take the shape of the input: the OpenAI batch
-output shape (``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
-"error"}``) for OpenAI rows, a flat object for plain rows.
+output shape for OpenAI rows (``{"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}``: a request kvbatch refused or could not run has status 400
+and an error body; an expired or cancelled one ``response: null`` and ``error: {code,
+message}``), a flat object for plain rows.
 """
 
 from __future__ import annotations
@@ -20,16 +25,16 @@ from enum import StrEnum
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from jobs.schemas import Choice, JobInfo, JobStatus
+from jobs.schemas import Choice, JobInfo, JobStatus, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-# OpenAI body fields with the same meaning here; "logprobs"/"top_logprobs" are mapped below.
-OPENAI_SAMPLING = frozenset({"temperature", "top_p", "n", "seed", "stop", "presence_penalty",
-                             "frequency_penalty", "max_tokens"})
+# OpenAI body fields mapped below rather than taken by name.
+OPENAI_MAPPED = frozenset({"max_completion_tokens", "logprobs", "top_logprobs"})
 # Accepted and not used: they change nothing in what is generated.
 OPENAI_IGNORED = frozenset({"model", "user", "store", "stream"})
+ROW_ERROR = "invalid_request_error"
 
 
 class RowKind(StrEnum):
@@ -46,9 +51,11 @@ class Row:
     kind: RowKind
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    raw_prompt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why the row cannot run (it is reported, not submitted)
 
 
 def parse_row(obj: Any, index: int) -> Row:
@@ -66,7 +73,8 @@ def parse_row(obj: Any, index: int) -> Row:
 
 
 def _plain_row(obj: Mapping[str, Any], index: int) -> Row:
-    known = {"custom_id", "prompt", "messages", "priority", "metadata"} | SAMPLING_FIELDS
+    known = {"custom_id", "prompt", "raw_prompt", "messages", "priority",
+             "metadata"} | SAMPLING_FIELDS
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
@@ -74,6 +82,7 @@ def _plain_row(obj: Mapping[str, Any], index: int) -> Row:
         custom_id=str(obj.get("custom_id", index)),
         kind=RowKind.PLAIN,
         prompt=obj.get("prompt"),
+        raw_prompt=obj.get("raw_prompt"),
         messages=obj.get("messages"),
         sampling={k: v for k, v in obj.items() if k in SAMPLING_FIELDS},
         priority=obj.get("priority"),
@@ -108,12 +117,11 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
     if not isinstance(body, Mapping):
         raise ValueError("'body' must be an object")
     prompt_key = "messages" if kind is RowKind.CHAT else "prompt"
-    known = OPENAI_SAMPLING | OPENAI_IGNORED | {prompt_key, "max_completion_tokens",
-                                                "logprobs", "top_logprobs", "metadata"}
+    known = SAMPLING_FIELDS | OPENAI_MAPPED | OPENAI_IGNORED | {prompt_key, "metadata"}
     unsupported = sorted(set(body) - known)
     if unsupported:
         raise ValueError(f"body field(s) {', '.join(map(repr, unsupported))} not supported")
-    sampling = {k: v for k, v in body.items() if k in OPENAI_SAMPLING}
+    sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and k != "logprobs"}
     if "max_completion_tokens" in body:
         sampling["max_tokens"] = body["max_completion_tokens"]
     if isinstance(sampling.get("stop"), str):
@@ -123,11 +131,33 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
         sampling["logprobs"] = body.get("top_logprobs") or 0
     elif kind is RowKind.COMPLETION and logprobs is not None:
         sampling["logprobs"] = logprobs
-    messages = None
     if kind is RowKind.CHAT:
         messages = [_openai_message(m) for m in body.get("messages") or []]
-    return Row(custom_id=str(obj["custom_id"]), kind=kind, prompt=body.get("prompt"),
-               messages=messages, sampling=sampling, metadata=dict(body.get("metadata") or {}))
+        return Row(custom_id=str(obj["custom_id"]), kind=kind, messages=messages,
+                   sampling=sampling, metadata=dict(body.get("metadata") or {}))
+    return Row(custom_id=str(obj["custom_id"]), kind=kind, raw_prompt=body.get("prompt"),
+               sampling=sampling, metadata=dict(body.get("metadata") or {}))
+
+
+def rejected_row(obj: Any, index: int, error: str) -> Row:
+    """The row of a line that cannot run, kept to be reported under its ``custom_id``.
+
+    Raises:
+        ValueError: the line has no ``custom_id`` to report it under (an OpenAI row, or a
+            line that is not an object).
+    """
+    if not isinstance(obj, Mapping):
+        raise ValueError(error)
+    is_openai = "body" in obj or "url" in obj
+    if is_openai and not obj.get("custom_id"):
+        raise ValueError(error)
+    kind = RowKind.PLAIN
+    if is_openai:
+        kind = RowKind.COMPLETION if obj.get("url") == COMPLETIONS_URL else RowKind.CHAT
+    custom_id = obj.get("custom_id", index)
+    if not isinstance(custom_id, str | int) or isinstance(custom_id, bool):
+        raise ValueError(error)
+    return Row(custom_id=str(custom_id), kind=kind, error=error)
 
 
 def _openai_message(message: Any) -> dict[str, Any]:
@@ -145,12 +175,33 @@ def output_line(kind: RowKind, info: JobInfo) -> dict[str, Any]:
     """The output line of a finished job in the shape of its input row."""
     if kind is RowKind.PLAIN:
         return _plain_output(info)
-    if info.status is not JobStatus.SUCCEEDED:
-        return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id, "response": None,
-                "error": {"code": f"job_{info.status.value}", "message": info.error or ""}}
-    return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id,
-            "response": {"status_code": 200, "request_id": info.id,
-                         "body": _openai_body(kind, info)},
+    if info.status is JobStatus.SUCCEEDED:
+        return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id,
+                "response": {"status_code": 200, "request_id": info.id,
+                             "body": _openai_body(kind, info)},
+                "error": None}
+    if info.status is JobStatus.FAILED:  # the request could not run: a request error
+        return _openai_request_error(info.custom_id, info.error or "failed", info.id)
+    code = "batch_expired" if info.status is JobStatus.EXPIRED else "batch_cancelled"
+    return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id, "response": None,
+            "error": {"code": code, "message": info.error or info.status.value}}
+
+
+def rejected_line(row: Row) -> dict[str, Any]:
+    """The output line of a row refused before it became a job (``row.error``)."""
+    assert row.error is not None
+    if row.kind is RowKind.PLAIN:
+        return {"custom_id": row.custom_id, "job_id": None, "status": JobStatus.FAILED.value,
+                "text": None, "finish_reason": None, "usage": None, "error": row.error}
+    return _openai_request_error(row.custom_id, row.error, None)
+
+
+def _openai_request_error(custom_id: str | None, message: str,
+                          job_id: str | None) -> dict[str, Any]:
+    return {"id": f"batch_req_{job_id or custom_id}", "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": job_id,
+                         "body": {"error": {"message": message, "type": ROW_ERROR,
+                                            "param": None, "code": None}}},
             "error": None}
 
 
@@ -165,6 +216,11 @@ def _plain_output(info: JobInfo) -> dict[str, Any]:
     }
     if result and result.choices:
         line["choices"] = [c.text for c in result.choices]
+    if result and result.logprobs is not None:
+        line["logprobs"] = [lp.model_dump() for lp in result.logprobs]
+        if result.choices:
+            line["choices_logprobs"] = [[lp.model_dump() for lp in c.logprobs or []]
+                                        for c in result.choices]
     if stats is not None:
         line["e2e_s"] = stats.e2e_s
     return line
@@ -178,12 +234,13 @@ def _openai_body(kind: RowKind, info: JobInfo) -> dict[str, Any]:
     for i, c in enumerate(samples):
         text = c.text if c else result.text
         reason = _openai_finish_reason(c.finish_reason if c else result.finish_reason)
+        logprobs = c.logprobs if c else result.logprobs
         if kind is RowKind.CHAT:
             choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "finish_reason": reason, "logprobs": None})
+                            "finish_reason": reason, "logprobs": _chat_logprobs(logprobs)})
         else:
             choices.append({"index": i, "text": text, "finish_reason": reason,
-                            "logprobs": None})
+                            "logprobs": _completion_logprobs(logprobs)})
     usage = result.usage
     return {
         "id": ("chatcmpl-" if kind is RowKind.CHAT else "cmpl-") + info.id,
@@ -196,6 +253,32 @@ def _openai_body(kind: RowKind, info: JobInfo) -> dict[str, Any]:
                   "total_tokens": usage.prompt_tokens + usage.completion_tokens,
                   "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens}},
     }
+
+
+def _chat_logprobs(steps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI chat logprobs: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    if steps is None:
+        return None
+    return {"content": [
+        {"token": s.token, "logprob": s.logprob, "bytes": s.bytes,
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+                          for t in s.top_logprobs]}
+        for s in steps], "refusal": None}
+
+
+def _completion_logprobs(steps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """OpenAI completions logprobs: parallel lists, ``top_logprobs`` as {token: logprob}
+    per step, ``text_offset`` where each token starts in the text."""
+    if steps is None:
+        return None
+    offsets, at = [], 0
+    for s in steps:
+        offsets.append(at)
+        at += len(s.token)
+    return {"tokens": [s.token for s in steps],
+            "token_logprobs": [s.logprob for s in steps],
+            "top_logprobs": [{t.token: t.logprob for t in s.top_logprobs} for s in steps],
+            "text_offset": offsets}
 
 
 def _openai_finish_reason(reason: str | None) -> str | None:

@@ -81,8 +81,12 @@ class JobSpec(_Strict):
         batch_id: the batch this job belongs to, if any.
         custom_id: the caller's own id (unique within a batch), e.g. a JSONL row key.
         model: the served model name; workers only run jobs of their own model.
-        prompt: a plain-text prompt; exactly one of ``prompt`` and ``messages``.
+        prompt: the user's request as text: on a model with a chat template it becomes one
+            user message (as ``messages=[{"role": "user", "content": prompt}]``), else it is
+            the raw text.
+        raw_prompt: text given to the model as it is, never templated (completions).
         messages: chat messages, rendered with the model's chat template.
+            A job has exactly one of ``prompt``, ``raw_prompt`` and ``messages``.
         sampling: the engine's ``SamplingParams``, validated here with its own rules.
         priority: lower values are scheduled first (the engine's convention).
         metadata: free-form JSON kept with the job.
@@ -95,6 +99,7 @@ class JobSpec(_Strict):
     custom_id: str | None = Field(default=None, max_length=255)
     model: str = Field(pattern=MODEL_NAME_PATTERN)
     prompt: str | None = None
+    raw_prompt: str | None = None
     messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # the SQL column is a 32-bit integer
@@ -120,8 +125,9 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobSpec:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("a job needs exactly one of 'prompt' and 'messages'")
+        given = [self.prompt, self.raw_prompt, self.messages]
+        if sum(p is not None for p in given) != 1:
+            raise ValueError("a job needs exactly one of 'prompt', 'raw_prompt' and 'messages'")
         return self
 
     @model_validator(mode="after")
@@ -131,11 +137,18 @@ class JobSpec(_Strict):
             raise ValueError(f"the job contains {bad}, which the database cannot store")
         return self
 
-    def engine_prompt(self) -> str | list[dict[str, str]]:
+    def engine_prompt(self, chat: bool) -> str | list[dict[str, str]]:
+        """What the engine takes: chat messages or raw text.
+
+        Args:
+            chat: the model has a chat template (a plain ``prompt`` becomes a user message).
+        """
         if self.messages is not None:
             return [m.model_dump() for m in self.messages]
-        assert self.prompt is not None  # guaranteed by _one_prompt
-        return self.prompt
+        if self.prompt is not None:
+            return [{"role": "user", "content": self.prompt}] if chat else self.prompt
+        assert self.raw_prompt is not None  # guaranteed by _one_prompt
+        return self.raw_prompt
 
     def expired(self, now_s: float | None = None) -> bool:
         now_s = time.time() if now_s is None else now_s
@@ -209,12 +222,29 @@ class Usage(BaseModel):
     completion_tokens: int = 0
 
 
+class TopLogprob(BaseModel):
+    """A candidate token at one step: its text, id, log-probability and UTF-8 bytes (a token
+    may hold part of a character; its ``token`` text then shows U+FFFD)."""
+
+    token: str
+    token_id: int
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    """The sampled token at one step, and the most likely tokens there (``logprobs`` of
+    them, the sampled one included when it is among them). OpenAI's chat shape, plus ids."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
 class Choice(BaseModel):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: Any = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class JobResult(BaseModel):
@@ -223,7 +253,7 @@ class JobResult(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: Any = None
+    logprobs: list[TokenLogprob] | None = None
     usage: Usage = Usage()
     # Every sample when n > 1 (the first repeats the top-level fields); empty when n == 1.
     choices: list[Choice] = Field(default_factory=list)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
-from jobs.rows import Row, RowKind, parse_row
+from jobs.rows import Row, parse_row, rejected_row
 from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
 from jobs.settings import connection_settings
 from jobs.stats import Stats
@@ -226,7 +226,7 @@ class Client:
         """Release the Redis and database connections."""
         self.jobs.close()
 
-    def submit(self, prompt: str | None = None, *,
+    def submit(self, prompt: str | None = None, *, raw_prompt: str | None = None,
                messages: list[dict[str, Any]] | None = None, model: str | None = None,
                max_tokens: int | None = None, temperature: float | None = None,
                priority: int = 0, metadata: dict[str, Any] | None = None,
@@ -234,15 +234,18 @@ class Client:
         """Submit one job.
 
         Args:
-            prompt: a plain-text prompt; exactly one of ``prompt`` and ``messages``.
+            prompt: the request as text; on a chat model, one user message.
+            raw_prompt: text given to the model as it is (no chat template).
             messages: chat messages (``{"role", "content"}``), rendered with the chat template.
+                Exactly one of ``prompt``, ``raw_prompt`` and ``messages``.
             model: served model name (default: the client's).
             max_tokens: most tokens to generate (default 16).
             temperature: sampling temperature; 0 is greedy (default 1.0).
             priority: lower runs first.
             metadata: JSON kept with the job.
             deadline: the job expires, unrun or aborted, if not finished by then.
-            **sampling: any other ``SamplingParams`` field (``top_p``, ``stop``, ``seed``, …).
+            **sampling: any other ``SamplingParams`` field (``top_p``, ``stop``, ``seed``,
+                ``logprobs``, ``logit_bias``, ``response_format``, …).
 
         Raises:
             pydantic.ValidationError: invalid arguments (a sampling value out of range
@@ -252,7 +255,8 @@ class Client:
         """
         sampling = _given(sampling, max_tokens=max_tokens, temperature=temperature)
         spec = JobSpec.model_validate({
-            "model": model or self.model, "prompt": prompt, "messages": messages,
+            "model": model or self.model, "prompt": prompt, "raw_prompt": raw_prompt,
+            "messages": messages,
             "sampling": sampling, "priority": priority, "metadata": metadata or {},
             "deadline": deadline})
         self.jobs.submit([spec])
@@ -262,7 +266,8 @@ class Client:
                      batch_id: str | None = None, model: str | None = None,
                      system_prompt: str | None = None, priority: int = 0,
                      deadline: datetime | None = None, webhook_url: str | None = None,
-                     chunk_size: int = 1000, **defaults: Any) -> BatchHandle:
+                     chunk_size: int = 1000, rejected: dict[str, Row] | None = None,
+                     **defaults: Any) -> BatchHandle:
         """Submit many rows as one batch, pipelined (one transaction and one Redis pipeline
         per ``chunk_size`` rows). ``custom_id`` is the idempotency key: rows the batch already
         holds are not submitted again, so resubmitting a batch never runs a row twice.
@@ -283,11 +288,14 @@ class Client:
                 webhook and the deadline belong to the batch's first submission: a later one
                 naming other values is refused.
             chunk_size: rows per SQL transaction and Redis pipeline.
+            rejected: when given, a row that cannot run (malformed, invalid, over a limit, or
+                carrying an ``error``) is put there by ``custom_id``, with its ``error``, and
+                the others are submitted; when None, such a row refuses the whole batch.
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
         Raises:
             ValueError: a malformed row (its index is named) or one over a limit (its
-                ``custom_id`` is named); nothing was enqueued.
+                ``custom_id`` is named), unless ``rejected`` is given; nothing was enqueued.
             pydantic.ValidationError: as ``ValueError``, from the job schema.
         """
         batch_id = batch_id or f"batch-{uuid.uuid4().hex}"
@@ -303,15 +311,26 @@ class Client:
                              "its first submission and cannot be changed by another")
         specs = []
         for index, raw in enumerate(rows):
+            row = None
             try:
                 row = raw if isinstance(raw, Row) else parse_row(raw, index)
-                specs.append(row_spec(row, model=model or self.model, batch_id=batch_id,
-                                      system_prompt=system_prompt, defaults=defaults,
-                                      priority=priority, deadline=deadline))
-            except ValidationError as exc:
-                raise ValueError(f"row {index}: {_brief(exc)}") from exc
-            except ValueError as exc:
-                raise ValueError(f"row {index}: {exc}") from exc
+                if row.error is not None:
+                    raise ValueError(row.error)
+                spec = row_spec(row, model=model or self.model, batch_id=batch_id,
+                                system_prompt=system_prompt, defaults=defaults,
+                                priority=priority, deadline=deadline)
+                if rejected is not None:
+                    self.jobs.limits.check(spec)
+                specs.append(spec)
+            except (ValidationError, ValueError) as exc:
+                error = _brief(exc) if isinstance(exc, ValidationError) else str(exc)
+                try:  # a row without a custom_id to report it by refuses the batch
+                    if rejected is None:
+                        raise ValueError(error) from exc
+                    bad = row or rejected_row(raw, index, error)
+                except ValueError:
+                    raise ValueError(f"row {index}: {error}") from exc
+                rejected[bad.custom_id] = replace(bad, error=error)
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
                                          deadline=deadline)
         return BatchHandle(self.jobs, batch_id, job_ids)
@@ -362,7 +381,7 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
              deadline: datetime | None) -> JobSpec:
     """The job of one dataset row: the row's sampling fields over ``defaults``."""
     prompt, messages = row.prompt, row.messages
-    if system_prompt is not None and row.kind is not RowKind.COMPLETION:  # raw text stays raw
+    if system_prompt is not None:  # a raw prompt stays raw
         if messages is None and prompt is not None:
             prompt, messages = None, [{"role": "user", "content": prompt}]
         if messages is not None and not isinstance(messages, list):
@@ -372,7 +391,8 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
             messages = [{"role": "system", "content": system_prompt}, *messages]
     return JobSpec.model_validate({
         "model": model, "batch_id": batch_id, "custom_id": row.custom_id, "prompt": prompt,
-        "messages": messages, "sampling": {**defaults, **row.sampling},
+        "raw_prompt": row.raw_prompt, "messages": messages,
+        "sampling": {**defaults, **row.sampling},
         "priority": priority if row.priority is None else row.priority,
         "metadata": row.metadata, "deadline": deadline})
 

@@ -8,16 +8,31 @@ wait before the engine (``admitted_at - submitted_at``) plus monotonic durations
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from jobs.schemas import Choice, JobResult, JobSpec, JobStats, JobStatus, Outcome, Usage
+from jobs.schemas import (
+    Choice,
+    JobResult,
+    JobSpec,
+    JobStats,
+    JobStatus,
+    Outcome,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 
+TokenBytes = Callable[[int], bytes]
+
+
 def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
-                   abort_as: JobStatus | None, max_result_bytes: int | None = None) -> Outcome:
+                   abort_as: JobStatus | None, token_bytes: TokenBytes,
+                   max_result_bytes: int | None = None) -> Outcome:
     """The terminal outcome of ``spec`` from its finished engine output ``out``.
 
     Args:
@@ -25,6 +40,7 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         spec: the job.
         admitted_at: ``time.time()`` when the worker handed the job to the engine.
         abort_as: why the worker aborted it (CANCELLED or EXPIRED), if it did.
+        token_bytes: a token id's bytes (the engine's ``token_bytes``), for logprobs.
         max_result_bytes: a result larger than this (as JSON) is not stored: the job fails
             with its size and the limit, its statistics kept.
     """
@@ -59,9 +75,10 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         peak_kv_bytes=m.peak_kv_bytes,
         preemptions=m.num_preemptions,
     )
+    top = spec.sampling.logprobs or 0
     choices = [
         Choice(index=c.index, text=c.text, token_ids=list(c.token_ids),
-               finish_reason=c.finish_reason, logprobs=_jsonable(c.logprobs))
+               finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs, top, token_bytes))
         for c in out.outputs
     ]
     first = choices[0] if choices else Choice(index=0, text="", token_ids=[],
@@ -84,8 +101,22 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
     return Outcome(spec.id, status, time.time(), error=error, result=result, stats=stats)
 
 
-def _jsonable(logprobs: Any) -> Any:
-    """Engine logprobs (a list of {token_id: logprob} per step) as JSON: string keys."""
-    if logprobs is None:
+def _logprobs(steps: list[dict[int, float]] | None, top: int,
+              token_bytes: TokenBytes) -> list[TokenLogprob] | None:
+    """Engine logprobs (per step {token id: logprob}: the sampled token, then the ``top``
+    most likely) with each token's text and bytes."""
+    if steps is None:
         return None
-    return [{str(k): float(v) for k, v in step.items()} for step in logprobs]
+    result = []
+    for step in steps:
+        entries = [_entry(token, value, token_bytes) for token, value in step.items()]
+        ranked = sorted(entries, key=lambda e: -e.logprob)[:top]
+        result.append(TokenLogprob(**entries[0].model_dump(), top_logprobs=ranked))
+    return result
+
+
+def _entry(token: int, logprob: float, token_bytes: TokenBytes) -> TopLogprob:
+    raw = token_bytes(token)
+    # SQL text cannot hold NUL; the bytes keep the token exact.
+    text = raw.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    return TopLogprob(token=text, token_id=token, logprob=float(logprob), bytes=list(raw))

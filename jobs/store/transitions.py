@@ -60,7 +60,8 @@ def terminalize(session: Session, outcome: Outcome, worker_id: str | None = None
             text=sql_text(result.text),
             token_ids=result.token_ids,
             finish_reason=result.finish_reason,
-            logprobs=result.logprobs,
+            logprobs=None if result.logprobs is None else [
+                lp.model_dump(mode="json") for lp in result.logprobs],
             choices=[c.model_dump(mode="json") for c in result.choices] or None,
         )
     res = session.execute(

@@ -82,7 +82,8 @@ def test_worker_reports_every_stats_field() -> None:
     out = RequestOutput("j", [1, 2], [CompletionOutput(0, [5, 6, 7, 8, 9], "hello", "stop")],
                         finished=True, metrics=metrics)
     spec = JobSpec(id="j", model="m", prompt="p", submitted_at=1000.0)
-    outcome = engine_outcome(out, spec, admitted_at=1002.0, abort_as=None)
+    outcome = engine_outcome(out, spec, admitted_at=1002.0, abort_as=None,
+                             token_bytes=lambda t: b"x")
     assert outcome.stats is not None
     assert outcome.stats.model_fields_set == set(STATS)
     assert outcome.stats.ttft_s == pytest.approx(3.0)  # 2 s before the engine + 1 s in it

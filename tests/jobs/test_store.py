@@ -23,7 +23,7 @@ def test_schema_round_trip_and_validation() -> None:
     spec = JobSpec(model="m", messages=[{"role": "user", "content": "hi"}],
                    sampling={"temperature": 0.0, "max_tokens": 4}, metadata={"k": [1, 2]})
     assert decode_job(encode_job(spec)) == spec
-    assert spec.engine_prompt() == [{"role": "user", "content": "hi"}]
+    assert spec.engine_prompt(chat=True) == [{"role": "user", "content": "hi"}]
     with pytest.raises(ValidationError, match="exactly one"):
         JobSpec(model="m")
     with pytest.raises(ValidationError, match="exactly one"):

@@ -116,7 +116,7 @@ def test_bad_jobs_fail_alone_with_readable_errors(
         too_long.id: "max_model_len",
         bad_sampling.id: "temperature must be >= 0.0",
         not_json.id: "malformed job message",
-        wrong_schema.id: "exactly one of 'prompt' and 'messages'",
+        wrong_schema.id: "exactly one of 'prompt', 'raw_prompt' and 'messages'",
         other_model.id: "unknown model 'no-such-model'",
     }
     for job_id, fragment in expected.items():
@@ -226,6 +226,13 @@ def test_parallel_samples_and_logprobs_are_stored(redis_client: redis.Redis, key
     assert [c.index for c in info.result.choices] == [0, 1]
     assert info.result.token_ids == info.result.choices[0].token_ids
     assert len(info.result.logprobs) == len(info.result.token_ids)
+    for token_id, lp in zip(info.result.token_ids, info.result.logprobs, strict=True):
+        # the sampled token with its text and bytes; the 2 most likely, best first
+        assert lp.token_id == token_id and lp.logprob <= 0
+        assert lp.token == bytes(lp.bytes).decode(errors="replace")
+        assert len(lp.top_logprobs) == 2
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob >= lp.logprob - 1e-6 \
+            or lp.token_id in {t.token_id for t in lp.top_logprobs}
     assert info.result.usage.completion_tokens == sum(len(c.token_ids)
                                                       for c in info.result.choices)
 

@@ -165,7 +165,7 @@ def test_kvbatch_submit_refuses_a_bad_file_by_line(tmp_path: Path, pg_url: str,
                    '"metadata": 7}\n', encoding="utf-8")
     out = subprocess.run(
         [sys.executable, "-m", "worker.cli", "submit", str(bad), "-o", str(tmp_path / "out.jsonl"),
-         "--model", MODEL, "--database-url", pg_url, "--key-prefix", keys.prefix],
+         "--model", MODEL, "--strict", "--database-url", pg_url, "--key-prefix", keys.prefix],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "bad.jsonl:2" in out.stderr and "Traceback" not in out.stderr, out.stderr

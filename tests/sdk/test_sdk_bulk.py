@@ -120,23 +120,36 @@ def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  
                             "temperature": 0, "stop": "\n"}}]
     bad = [{"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "x", "temperature": -1,
-                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}}]
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}},
+           {"custom_id": "tools", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "x", "tools": [], "messages": [{"role": "user", "content": "a"}]}}]
     data = tmp_path / "batch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion + bad))
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     submit = ["submit", str(data), "-o", str(out), "-e", str(errors), "--model", MODEL,
               "--batch-id", "oai", "--system-prompt", "Be brief.", "--no-progress", *cli_args]
-    # A sampling value out of range is refused at submission: the whole file, naming the row
-    # and the field, before anything is stored.
+    # --strict: a sampling value out of range refuses the whole file, naming the row and the
+    # field, before anything is stored.
     capsys.readouterr()
-    assert main(submit) == 2
+    assert main([*submit, "--strict"]) == 2
+    assert "batch.jsonl:9: body field(s) 'tools' not supported" in capsys.readouterr().err
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion + bad[:1]))
+    assert main([*submit, "--strict"]) == 2
     assert "row 7: sampling: Value error, temperature must be >= 0.0" in capsys.readouterr().err
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion + bad))
     assert client.jobs.count_by_status() == {}
-    data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion))
+    # By default the bad rows get OpenAI's request-error lines and the others run.
     start_worker()
     assert main(submit) == 0
     lines = {line["custom_id"]: line for line in _lines(out)}
     assert sorted(lines) == sorted(r["custom_id"] for r in chat + completion)
+    refused = {line["custom_id"]: line for line in _lines(errors)}
+    assert sorted(refused) == ["bad", "tools"]
+    for custom_id, fragment in (("bad", "temperature must be >= 0.0"), ("tools", "'tools'")):
+        response = refused[custom_id]["response"]
+        assert response["status_code"] == 400 and refused[custom_id]["error"] is None
+        assert fragment in response["body"]["error"]["message"]
+        assert response["body"]["error"]["type"] == "invalid_request_error"
     for i in range(6):
         line = lines[f"chat-{i}"]
         assert line["error"] is None and line["id"].startswith("batch_req_")
@@ -152,11 +165,13 @@ def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  
     assert cached >= 0
     body = lines["cmpl-0"]["response"]["body"]
     assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
-    assert _lines(errors) == []
-    # The system prompt reached the chat rows (and not the completion row).
+    # The system prompt reached the chat rows (and not the completion row: raw text).
     spec = SQL(client.jobs.engine).specs([client.batch("oai").job_ids["chat-0"]])[0][0]
     assert spec.messages[0].role == "system" and spec.messages[0].content == "Be brief."
-    assert SQL(client.jobs.engine).specs([client.batch("oai").job_ids["cmpl-0"]])[0][0].prompt
+    raw = SQL(client.jobs.engine).specs([client.batch("oai").job_ids["cmpl-0"]])[0][0]
+    assert raw.raw_prompt == "Once upon" and raw.messages is None
+    # A second run has nothing left to do: the refused rows are reported, not retried.
+    assert main(submit) == 0 and len(_lines(errors)) == 2
 
     capsys.readouterr()
     assert main(["status", "oai", *cli_args]) == 0
@@ -173,8 +188,12 @@ def test_cli_rejects_bad_file_and_cancels(tmp_path: Path, client: Client, cli_ar
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "fine"}\n{"prompt": "x", "max_tokens": "lots"}\n')
     out = tmp_path / "out.jsonl"
-    assert main(["submit", str(data), "-o", str(out), "--no-progress", *cli_args]) == 2
+    assert main(["submit", str(data), "-o", str(out), "--strict", "--no-progress",
+                 *cli_args]) == 2
     assert "max_tokens" in capsys.readouterr().err
+    data.write_text('{"prompt": "fine"}\nnot json\n')  # no custom_id to report it under
+    assert main(["submit", str(data), "-o", str(out), "--no-progress", *cli_args]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
     assert client.jobs.count_by_status() == {}  # nothing enqueued
 
     csv_data = tmp_path / "rows.csv"

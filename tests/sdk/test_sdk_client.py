@@ -16,14 +16,19 @@ MODEL = "tiny"
 
 def test_submit_result_status(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
     start_worker()
-    job = client.submit(prompt="hello", max_tokens=6, temperature=0.0, metadata={"k": 1})
+    job = client.submit(raw_prompt="hello", max_tokens=6, temperature=0.0, metadata={"k": 1})
     chat = client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                          temperature=0.0)
+    # A plain prompt on a model with a chat template is one user message.
+    user = client.submit(prompt="hi", max_tokens=4, temperature=0.0)
     result = job.result(timeout_s=60)
     assert len(result.token_ids) == result.usage.completion_tokens
     assert 0 < result.usage.completion_tokens <= 6 and result.usage.prompt_tokens == 5
     assert job.status() is JobStatus.SUCCEEDED and job.info().metadata == {"k": 1}
-    assert chat.result(timeout_s=60).usage.completion_tokens <= 4
+    chat_result = chat.result(timeout_s=60)
+    assert chat_result.usage.completion_tokens <= 4
+    assert user.result(timeout_s=60).token_ids == chat_result.token_ids
+    assert user.result().usage.prompt_tokens == chat_result.usage.prompt_tokens > 2
     # A handle made later, from the id alone, sees the same job.
     assert client.job(job.id).result(timeout_s=1) == result
 

@@ -97,8 +97,8 @@ def test_a_refused_submission_leaves_no_file_behind(
         capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "in.jsonl"
     data.write_text('{"prompt": "fine"}\n{"prompt": "x", "temperature": -1}\n')
-    assert main(["submit", str(data), "-o", str(tmp_path / "out.jsonl"), "--no-progress",
-                 *cli_args]) == 2
+    assert main(["submit", str(data), "-o", str(tmp_path / "out.jsonl"), "--strict",
+                 "--no-progress", *cli_args]) == 2
     assert "temperature must be >= 0.0" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
     assert client.jobs.count_by_status() == {}

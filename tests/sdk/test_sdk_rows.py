@@ -32,10 +32,20 @@ CHAT = "/v1/chat/completions"
       {"max_tokens": 9, "stop": ["END"], "logprobs": 2})),
     ({"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "p", "logprobs": 1}},
      ("b", RowKind.COMPLETION, "p", None, {"logprobs": 1})),
+    ({"custom_id": "c", "url": CHAT, "body": {
+        "messages": [], "logit_bias": {"9": -100}, "top_k": 5,
+        "response_format": {"type": "json_object"}}},
+     ("c", RowKind.CHAT, None, [], {"logit_bias": {"9": -100}, "top_k": 5,
+                                     "response_format": {"type": "json_object"}})),
+    ({"raw_prompt": "q", "response_format": {"type": "regex", "regex": "a+"}},
+     ("7", RowKind.PLAIN, "q", None, {"response_format": {"type": "regex", "regex": "a+"}})),
 ])
 def test_parse_row(row, expected) -> None:  # type: ignore[no-untyped-def]
     r = parse_row(row, 7)
-    assert (r.custom_id, r.kind, r.prompt, r.messages, r.sampling) == expected
+    # a plain prompt / raw prompt and an OpenAI completions prompt (raw text)
+    prompt = r.raw_prompt if r.raw_prompt is not None else r.prompt
+    assert (r.custom_id, r.kind, prompt, r.messages, r.sampling) == expected
+    assert r.kind is not RowKind.COMPLETION or r.prompt is None
 
 
 @pytest.mark.parametrize(("row", "message"), [
@@ -74,10 +84,16 @@ def test_output_shapes() -> None:
     assert output_line(RowKind.COMPLETION, ok)["response"]["body"]["choices"][0]["text"] == "hello"
     plain = output_line(RowKind.PLAIN, ok)
     assert plain["text"] == "hello" and plain["status"] == "succeeded" and plain["e2e_s"] == 1.5
-    failed = _info(JobStatus.EXPIRED, error="deadline passed")
-    assert output_line(RowKind.CHAT, failed)["error"] == {"code": "job_expired",
-                                                          "message": "deadline passed"}
-    assert output_line(RowKind.PLAIN, failed)["error"] == "deadline passed"
+    expired = _info(JobStatus.EXPIRED, error="deadline passed")
+    line = output_line(RowKind.CHAT, expired)
+    assert line["response"] is None
+    assert line["error"] == {"code": "batch_expired", "message": "deadline passed"}
+    assert output_line(RowKind.PLAIN, expired)["error"] == "deadline passed"
+    cancelled = output_line(RowKind.COMPLETION, _info(JobStatus.CANCELLED, error="cancelled"))
+    assert cancelled["error"]["code"] == "batch_cancelled"
+    failed = output_line(RowKind.CHAT, _info(JobStatus.FAILED, error="prompt is empty"))
+    assert failed["error"] is None and failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["message"] == "prompt is empty"
 
 
 def test_percentiles() -> None:
