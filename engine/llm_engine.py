@@ -101,7 +101,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.structured = StructuredOutput(self.tokenizer, self.info.vocab_size,
-                                           self.info.eos_token_ids)
+                                           self.info.eos_token_ids, native=backend.fused)
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
             self.structured,

@@ -109,17 +109,19 @@ class Sampler:
         if bool((min_ps > 0).any()):
             keep = probs >= probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
             probs = torch.where(keep, probs, torch.zeros_like(probs))
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Seeded rows draw their
-        # noise from their own generator, so their tokens do not depend on the batch.
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p. E = -log(U) with U
+        # uniform: torch's CPU exponential_ is 5x slower than uniform_ and a log. Seeded rows
+        # draw their noise from their own generator, so their tokens do not depend on the batch.
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1]).exponential_(
+            noise[shared] = torch.empty(len(shared), probs.shape[1]).uniform_(
                 generator=self.generator
             )
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                noise[i].uniform_(generator=r.generator)
+        noise.log_().neg_()
         return (probs / noise).argmax(dim=-1)
 
 

@@ -228,3 +228,25 @@ void argmax_rows(const void *x, int64_t *out, int64_t rows, int64_t n, int dtype
 #undef ROW
     }
 }
+
+/* Grammar masks: in each listed row of float32 logits, set to -inf every token whose bit is
+ * clear in that row's bitmask (32 tokens per int32 word, token t at bit t % 32 of word t / 32,
+ * as xgrammar packs them). Words with every bit set are skipped: most of a constrained row's
+ * vocabulary is either all allowed (inside a string) or all banned (structure). */
+void mask_rows(float *logits, int64_t stride, const int32_t *bitmask, int64_t words,
+               const int64_t *rows, int64_t num_rows, int64_t vocab, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (num_rows > 1)
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *row = logits + rows[i] * stride;
+        const uint32_t *mask = (const uint32_t *)(bitmask + i * words);
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t allowed = mask[w];
+            if (allowed == 0xFFFFFFFFu) continue;
+            const int64_t base = w * 32;
+            const int64_t end = base + 32 < vocab ? base + 32 : vocab;
+            for (int64_t t = base; t < end; t++) {
+                if (!((allowed >> (t - base)) & 1u)) row[t] = -INFINITY;
+            }
+        }
+    }
+}

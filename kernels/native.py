@@ -56,6 +56,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
         "rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
         "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
         "argmax_rows": [_ptr, _ptr, _i64, _i64, _i32, _i32],
+        "mask_rows": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     }),
 }
 
@@ -182,6 +183,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), out.data_ptr(), x.numel() // n, n, _dtype_code(x), torch.get_num_threads()
     )
     return out
+
+
+def mask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set ``logits[rows[i], t]`` to -inf where bit ``t`` of ``bitmask[i]`` is clear, in place.
+
+    ``logits``: [N, vocab] float32 with unit stride in the vocabulary; ``bitmask``: [len(rows),
+    ceil(vocab / 32)] int32, contiguous (token ``t`` at bit ``t % 32`` of word ``t // 32``, as
+    xgrammar packs it); ``rows``: int64. The reference is ``kernels.reference.mask_rows_``.
+    """
+    if logits.dtype != torch.float32 or logits.stride(-1) != 1:
+        raise ValueError("mask_rows_ needs float32 logits with a unit-stride last dimension")
+    bitmask, rows = bitmask.contiguous(), rows.to(torch.int64).contiguous()
+    library("cpu_layer").mask_rows(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],
+        rows.data_ptr(), rows.numel(), logits.shape[1], torch.get_num_threads())
 
 
 @dataclass(frozen=True)

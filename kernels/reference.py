@@ -116,3 +116,14 @@ def paged_attention_prefill(
         o = torch.einsum("hgqs,shd->qhgd", probs, v)
         out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(query.dtype)
     return out
+
+
+def mask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Set ``logits[rows[i], t]`` to -inf where bit ``t`` of ``bitmask[i]`` (int32 words, token
+    ``t`` at bit ``t % 32`` of word ``t // 32``) is clear, in place."""
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab]
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    banned[rows] = bits.to(logits.device) == 0
+    logits.masked_fill_(banned, float("-inf"))
