@@ -85,9 +85,10 @@ class ModelRunner:
             src, dst = zip(*out.block_copies, strict=True)
             self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
         input_ids, positions, meta = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-
         sampling = [s for s in out.seqs if s.sample]
+        rows = [row for s in sampling for row in self._rows(s.seq)]
+        masks = self.sampler.start_masks(rows)  # grammar masks fill during the forward
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sampling:
             return {}
         ends = meta.query_start_loc[1:].to(torch.long) - 1
@@ -96,8 +97,7 @@ class ModelRunner:
         repeats = torch.tensor([1 + s.seq.pending_forks for s in sampling])
         rows_idx = ends[last].repeat_interleave(repeats.to(self.device))
         logits = self.model.compute_logits(hidden[rows_idx]).cpu()
-        rows = [row for s in sampling for row in self._rows(s.seq)]
-        sampled = self.sampler(logits, rows)
+        sampled = self.sampler(logits, rows, masks)
         result: dict[int, list[Sampled]] = {}
         it = iter(sampled)
         for s in sampling:

@@ -4,6 +4,7 @@ top-k/top-p/min-p, logprobs."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,9 +52,21 @@ class Sampler:
         self.argmax = argmax
         self.structured = structured
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+    def start_masks(self, rows: list[SampleRow]) -> Future[torch.Tensor] | None:
+        """Start filling the grammar masks of ``rows`` (None when none is constrained): call
+        it before the forward, and pass the result to the call that samples them."""
+        matchers = [r.grammar for r in rows if r.grammar is not None]
+        if not matchers:
+            return None
+        if self.structured is None:
+            raise RuntimeError("a constrained row reached a sampler without structured output")
+        return self.structured.fill_masks(matchers)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow],
+                 masks: Future[torch.Tensor] | None = None) -> list[Sampled]:
         """Sample one token per row of ``logits`` ([N, vocab], the model's dtype; worked on
-        in float32, in place when they are float32)."""
+        in float32, in place when they are float32). ``masks``: from :meth:`start_masks` on
+        the same rows (started here when not given)."""
         if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: one argmax
             return [Sampled(token, None) for token in self.argmax(logits).tolist()]
         logits = logits.float()
@@ -70,11 +83,9 @@ class Sampler:
                     and len(row.output_token_ids) < p.min_tokens):
                 logits[i, list(row.blocked_token_ids)] = float("-inf")
         constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if constrained:
-            if self.structured is None:
-                raise RuntimeError("a constrained row reached a sampler without structured output")
-            matchers = [g for g in (rows[i].grammar for i in constrained) if g is not None]
-            self.structured.apply_masks(logits, constrained, matchers)
+        masks = masks or self.start_masks(rows)
+        if masks is not None and self.structured is not None:
+            self.structured.apply_masks(logits, constrained, masks.result())
 
         tokens = torch.empty(len(rows), dtype=torch.long)
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]

@@ -3,8 +3,9 @@
 xgrammar (the default of vLLM and SGLang) compiles a format into a grammar over the model's
 vocabulary; each constrained sequence holds a matcher that follows its output. Per step the
 sampler asks for the masks of all its constrained rows at once (filled together, in C++
-threads), applies them to the logits on their device, and each sequence's matcher accepts
-the token it sampled (``Sequence.append``).
+thread), applies them to the logits on their device, and each sequence's matcher accepts
+the token it sampled (``Sequence.append``). The masks of a step are filled on a thread of their
+own while the model's forward runs.
 
 Compiled grammars are cached by the format's hash (``ResponseFormat.key``): thousands of jobs
 that share one schema compile it once per engine. Preemption keeps a sequence's output and so
@@ -17,6 +18,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,6 +62,7 @@ class StructuredOutput:
         self._info_lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._batch: xgr.BatchGrammarMatcher | None = None
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiles = 0
@@ -132,24 +135,33 @@ class StructuredOutput:
         vocab = self._tokenizer_info().decoded_vocab
         return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
-    def apply_masks(self, logits: torch.Tensor, rows: list[int],
-                    matchers: list[xgr.GrammarMatcher]) -> None:
-        """Mask, in place, the tokens each matcher forbids next in ``logits[rows[i]]``.
+    def fill_masks(self, matchers: list[xgr.GrammarMatcher]) -> Future[torch.Tensor]:
+        """Start filling the next-token bitmasks of ``matchers`` (row ``i`` for
+        ``matchers[i]``), in one batch call on the grammar thread, so that they are ready
+        when the step's logits are: xgrammar releases the GIL, and the model's forward runs
+        meanwhile (as vLLM fills them while the GPU runs). The matchers must not accept a
+        token until the result is read."""
+        return self._filler.submit(self._fill, list(matchers))
 
-        The masks are filled together (xgrammar's batch matcher) on the host, then applied
-        on the logits' device.
-        """
+    def _fill(self, matchers: list[xgr.GrammarMatcher]) -> torch.Tensor:
         import xgrammar as xgr
 
         if self._batch is None:
             # One thread: a pool of its own contends with the model's OpenMP threads, which
             # spin between matmuls (measured: 13 ms a step with 2 threads, 0.05 ms with 1).
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask
+
+    def apply_masks(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+        """Mask, in place, the tokens ``bitmask[i]`` forbids in ``logits[rows[i]]``, on the
+        logits' device."""
         if self._native and logits.device.type == "cpu" and logits.dtype == torch.float32:
             native.mask_rows_(logits, bitmask, torch.tensor(rows))
             return
+        import xgrammar as xgr
+
         full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=bitmask.dtype)
         full[rows] = bitmask  # rows without a constraint keep every token (all bits set)
         xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),

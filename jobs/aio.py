@@ -159,7 +159,8 @@ class AsyncClient:
         """Submit one job.
 
         Args:
-            prompt: a plain-text prompt; or pass ``messages=``.
+            prompt: the request as text (one user message on a chat model); or pass
+                ``raw_prompt=`` (text as it is) or ``messages=``.
             **kwargs: as :meth:`jobs.sdk.Client.submit` (``messages``, ``model``,
                 ``max_tokens``, ``temperature``, ``priority``, ``metadata``, ``deadline``,
                 other sampling fields).

@@ -62,12 +62,12 @@ def test_choice_regex_and_schema_outputs_always_match(engine: LLMEngine) -> None
 
 
 def test_many_requests_sharing_a_schema_compile_it_once(tiny_model: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=1024))
     fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
-    outs = engine.generate([f"row {i}" for i in range(64)], _params(fmt, max_tokens=40))
+    outs = engine.generate([f"row {i}" for i in range(256)], _params(fmt, max_tokens=48))
     assert engine.stats().num_grammar_compiles == 1
     valid = [o for o in outs if o.finish_reason == "stop"]
-    assert len(valid) == 64
+    assert len(valid) == 256
     for out in valid:
         jsonschema.validate(json.loads(out.text), SCHEMA)
     # An equal format built separately is the same grammar; another one compiles once more.
