@@ -107,8 +107,7 @@ class Worker:
         self.queue = JobQueue(self.redis, s.model_name, self.keys)
         self.metrics = WorkerMetrics(s.model_name)
         self.engine_thread = EngineThread(llm)
-        self.chat = llm.has_chat_template  # a job's plain prompt becomes a user message
-        self.token_bytes = llm.token_bytes  # read-only lookups, from this thread
+        self.llm = llm  # read here only for its tokenizer facts (thread-safe lookups)
         self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
@@ -241,7 +240,8 @@ class Worker:
         # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
         self.engine_thread.commands.put(
-            Add(spec.id, spec.engine_prompt(self.chat), spec.sampling, spec.priority))
+            Add(spec.id, spec.engine_prompt(chat=self.llm.has_chat_template), spec.sampling,
+                spec.priority))
 
     # -- cancellation and deadlines ----------------------------------------------------------
 
@@ -312,7 +312,8 @@ class Worker:
                 self.results.add(self._outcome(h, out), h.delivery)
 
     def _outcome(self, h: Held, out: RequestOutput) -> Outcome:
-        outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as, self.token_bytes,
+        outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as,
+                                 lambda token: self.llm.token_bytes(token),
                                  self.limits.max_result_bytes)
         stats = outcome.stats
         assert stats is not None

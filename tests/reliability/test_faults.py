@@ -49,7 +49,7 @@ def _reference(tiny_model: str, specs: list[JobSpec]) -> dict[str, list[int]]:
 
     engine = build_engine(worker_settings(model=tiny_model, device="cpu", num_kv_blocks=512,
                                           max_num_seqs=16))
-    outs = engine.generate([s.prompt for s in specs],
+    outs = engine.generate([s.engine_prompt(chat=engine.has_chat_template) for s in specs],
                            [s.sampling for s in specs])
     return {s.id: list(o.outputs[0].token_ids) for s, o in zip(specs, outs, strict=True)}
 
