@@ -117,7 +117,10 @@ class ResponseFormat:
     def key(self) -> str:
         """A hash of what the output is held to: requests with the same key share one
         compiled grammar."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        held = asdict(self)
+        if self.json_schema is not None:  # its name, description and strict change nothing
+            held["json_schema"] = self.json_schema.schema
+        canonical = json.dumps(held, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -48,8 +48,9 @@ class StructuredOutput:
         vocab_size: rows of the model's logits (may exceed the tokenizer's own vocabulary).
         stop_token_ids: the tokens that end a sequence whose grammar is complete.
         native: mask float32 CPU logits with the C kernel (``kernels.native.mask_rows_``, the
-            engine's fused CPU ops are built); else xgrammar's own kernels (CUDA/Triton on a
-            GPU) apply the masks.
+            engine's fused CPU ops are built); else xgrammar's own kernels apply the masks
+            where the logits are (its CUDA/Triton ones for logits on a GPU; today the runner
+            samples on the host).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
@@ -60,6 +61,7 @@ class StructuredOutput:
         self._stop_token_ids = sorted(stop_token_ids)
         self._info: xgr.TokenizerInfo | None = None  # built at the first use
         self._info_lock = threading.Lock()
+        self._vocab: list[bytes] | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
@@ -132,7 +134,12 @@ class StructuredOutput:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for (a byte-level BPE token may hold part of a UTF-8
         character); empty for ids past the tokenizer's own vocabulary."""
-        vocab = self._tokenizer_info().decoded_vocab
+        if self._vocab is None:
+            info = self._tokenizer_info()
+            with self._info_lock:  # xgrammar builds the list anew at each read: once here
+                if self._vocab is None:
+                    self._vocab = list(info.decoded_vocab)
+        vocab = self._vocab
         return vocab[token_id] if 0 <= token_id < len(vocab) else b""
 
     def fill_masks(self, matchers: list[xgr.GrammarMatcher]) -> Future[torch.Tensor]:

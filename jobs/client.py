@@ -93,8 +93,8 @@ class JobClient:
                 log.warning("jobs stored but not enqueued (%s); the reconciler will", exc)
 
     def submit_batch(self, batch_id: str, specs: Sequence[JobSpec], chunk_size: int = 1000, *,
-                     webhook_url: str | None = None,
-                     deadline: datetime | None = None) -> dict[str, str]:
+                     webhook_url: str | None = None, deadline: datetime | None = None,
+                     over_limit: dict[str, str] | None = None) -> dict[str, str]:
         """Submit the rows of batch ``batch_id`` it does not hold yet; ``custom_id`` is the key.
 
         Rows already in the batch (whatever their status) are neither inserted nor enqueued
@@ -108,13 +108,16 @@ class JobClient:
             webhook_url: the batch's webhook, set by the transaction that creates the batch
                 (an existing batch keeps its own).
             deadline: the batch's deadline, likewise.
+            over_limit: when given, a new row over a limit is left out and put there
+                (``custom_id`` -> why) instead of refusing the batch.
 
         Returns:
-            ``custom_id`` -> job id for every row of the batch (old and new).
+            ``custom_id`` -> job id for every row of the batch (old and new) but those left
+            out.
 
         Raises:
-            ValueError: a row over a limit (:meth:`check`, its ``custom_id`` named), or
-                duplicate ``custom_id``s; nothing was stored.
+            ValueError: a row over a limit (:meth:`check`, its ``custom_id`` named) unless
+                ``over_limit`` is given, or duplicate ``custom_id``s; nothing was stored.
         """
         custom_ids = [s.custom_id for s in specs]
         if any(s.batch_id != batch_id or s.custom_id is None for s in specs):
@@ -125,12 +128,16 @@ class JobClient:
             raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
         existing = {cid: job_id for job_id, cid, _ in self.reader.batch_jobs(batch_id)
                     if cid is not None}
-        new = [s for s in specs if s.custom_id not in existing]
-        for spec in new:  # every row before any is stored
+        new = []
+        for spec in (s for s in specs if s.custom_id not in existing):  # all before storing
             try:
                 self.check(spec)
             except ValueError as exc:
-                raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
+                if over_limit is None:
+                    raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
+                over_limit[str(spec.custom_id)] = str(exc)
+                continue
+            new.append(spec)
         for start in range(0, len(new), chunk_size):
             self._store(new[start:start + chunk_size], webhook_url=webhook_url,
                         deadline=deadline)

@@ -38,8 +38,8 @@ class JobLimits(BaseSettings):
     def check(self, spec: JobSpec) -> None:
         """Raise ``ValueError`` naming the field and the limit when ``spec`` is over one."""
         s = spec.sampling
-        prompt = spec.prompt if spec.prompt is not None else "".join(
-            m.content for m in spec.messages or [])
+        text = spec.prompt if spec.prompt is not None else spec.raw_prompt
+        prompt = text if text is not None else "".join(m.content for m in spec.messages or [])
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size > self.max_prompt_bytes:
             raise ValueError(f"prompt is {size} bytes, over the limit of {self.max_prompt_bytes} "

@@ -35,6 +35,8 @@ OPENAI_MAPPED = frozenset({"max_completion_tokens", "logprobs", "top_logprobs"})
 # Accepted and not used: they change nothing in what is generated.
 OPENAI_IGNORED = frozenset({"model", "user", "store", "stream"})
 ROW_ERROR = "invalid_request_error"
+# How the engine words a step that failed under a request (engine.LLMEngine._fail).
+ENGINE_FAULT = "failed in the engine step"
 
 
 class RowKind(StrEnum):
@@ -180,7 +182,7 @@ def output_line(kind: RowKind, info: JobInfo) -> dict[str, Any]:
                 "response": {"status_code": 200, "request_id": info.id,
                              "body": _openai_body(kind, info)},
                 "error": None}
-    if info.status is JobStatus.FAILED:  # the request could not run: a request error
+    if info.status is JobStatus.FAILED:  # the request could not run
         return _openai_request_error(info.custom_id, info.error or "failed", info.id)
     code = "batch_expired" if info.status is JobStatus.EXPIRED else "batch_cancelled"
     return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id, "response": None,
@@ -198,9 +200,12 @@ def rejected_line(row: Row) -> dict[str, Any]:
 
 def _openai_request_error(custom_id: str | None, message: str,
                           job_id: str | None) -> dict[str, Any]:
+    """A request error (400); a fault of the engine that ran it is a server error (500)."""
+    server = message.startswith(ENGINE_FAULT)
     return {"id": f"batch_req_{job_id or custom_id}", "custom_id": custom_id,
-            "response": {"status_code": 400, "request_id": job_id,
-                         "body": {"error": {"message": message, "type": ROW_ERROR,
+            "response": {"status_code": 500 if server else 400, "request_id": job_id,
+                         "body": {"error": {"message": message,
+                                            "type": "server_error" if server else ROW_ERROR,
                                             "param": None, "code": None}}},
             "error": None}
 

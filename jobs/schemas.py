@@ -19,7 +19,14 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
@@ -239,12 +246,29 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
+def _legacy_logprobs(value: Any) -> Any:
+    """Logprobs stored before tokens had texts (``[{"<token id>": logprob, …}]`` per step,
+    the sampled token first) as :class:`TokenLogprob`s without texts or bytes."""
+    if not isinstance(value, list) or not value or not isinstance(value[0], dict) \
+            or "token_id" in value[0]:
+        return value
+    steps = []
+    for step in value:
+        entries = [{"token": "", "token_id": int(k), "logprob": v, "bytes": []}
+                   for k, v in step.items()]
+        steps.append({**entries[0], "top_logprobs": sorted(entries, key=lambda e: -e["logprob"])})
+    return steps
+
+
+Logprobs = Annotated[list[TokenLogprob] | None, BeforeValidator(_legacy_logprobs)]
+
+
 class Choice(BaseModel):
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Logprobs = None
 
 
 class JobResult(BaseModel):
@@ -253,7 +277,7 @@ class JobResult(BaseModel):
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
     finish_reason: str | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: Logprobs = None
     usage: Usage = Usage()
     # Every sample when n > 1 (the first repeats the top-level fields); empty when n == 1.
     choices: list[Choice] = Field(default_factory=list)

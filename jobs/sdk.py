@@ -309,19 +309,18 @@ class Client:
                 or (deadline is not None and deadline != current[1])):
             raise ValueError(f"batch {batch_id!r} exists: its webhook and deadline were set by "
                              "its first submission and cannot be changed by another")
-        specs = []
+        specs, valid = [], {}
+        refused: dict[str, Row] = {}
         for index, raw in enumerate(rows):
             row = None
             try:
                 row = raw if isinstance(raw, Row) else parse_row(raw, index)
                 if row.error is not None:
                     raise ValueError(row.error)
-                spec = row_spec(row, model=model or self.model, batch_id=batch_id,
-                                system_prompt=system_prompt, defaults=defaults,
-                                priority=priority, deadline=deadline)
-                if rejected is not None:
-                    self.jobs.limits.check(spec)
-                specs.append(spec)
+                specs.append(row_spec(row, model=model or self.model, batch_id=batch_id,
+                                      system_prompt=system_prompt, defaults=defaults,
+                                      priority=priority, deadline=deadline))
+                valid[row.custom_id] = row
             except (ValidationError, ValueError) as exc:
                 error = _brief(exc) if isinstance(exc, ValidationError) else str(exc)
                 try:  # a row without a custom_id to report it by refuses the batch
@@ -330,9 +329,19 @@ class Client:
                     bad = row or rejected_row(raw, index, error)
                 except ValueError:
                     raise ValueError(f"row {index}: {error}") from exc
-                rejected[bad.custom_id] = replace(bad, error=error)
+                if bad.custom_id in refused or bad.custom_id in valid:
+                    raise ValueError(f"custom_id {bad.custom_id!r} appears more than once in "
+                                     f"batch {batch_id!r}") from None
+                refused[bad.custom_id] = replace(bad, error=error)
+        dup = next((c for c in refused if c in valid), None)
+        if dup is not None:
+            raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
+        over_limit: dict[str, str] | None = None if rejected is None else {}
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
-                                         deadline=deadline)
+                                         deadline=deadline, over_limit=over_limit)
+        if rejected is not None:
+            rejected |= refused
+            rejected |= {c: replace(valid[c], error=e) for c, e in (over_limit or {}).items()}
         return BatchHandle(self.jobs, batch_id, job_ids)
 
     def job(self, job_id: str) -> JobHandle:

@@ -194,6 +194,12 @@ def mask_rows_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) 
     """
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         raise ValueError("mask_rows_ needs float32 logits with a unit-stride last dimension")
+    words = (logits.shape[1] + 31) // 32
+    if bitmask.dtype != torch.int32 or bitmask.shape != (rows.numel(), words):
+        raise ValueError(f"mask_rows_ needs an int32 bitmask of shape ({rows.numel()}, "
+                         f"{words}), got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < logits.shape[0]:
+        raise ValueError("mask_rows_: a row index is outside the logits")
     bitmask, rows = bitmask.contiguous(), rows.to(torch.int64).contiguous()
     library("cpu_layer").mask_rows(
         logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.shape[1],

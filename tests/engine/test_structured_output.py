@@ -140,3 +140,12 @@ def test_response_format_is_checked_when_built() -> None:
     fmt = ResponseFormat(type="choice", choice=["a", "b"])
     assert fmt.key == ResponseFormat(type="choice", choice=("a", "b")).key
     assert fmt.key != ResponseFormat(type="choice", choice=["b", "a"]).key
+
+
+def test_token_bytes_are_the_tokens_bytes(engine: LLMEngine) -> None:
+    ascii_ids = [i for i in range(engine.info.vocab_size)
+                 if engine.tokenizer.decode([i]).isascii() and engine.tokenizer.decode([i])]
+    assert len(ascii_ids) > 90
+    for i in ascii_ids:
+        assert engine.token_bytes(i) == engine.tokenizer.decode([i]).encode()
+    assert engine.token_bytes(engine.info.vocab_size + 5) == b""

@@ -120,3 +120,30 @@ def test_a_bad_response_format_file_is_refused(tmp_path: Path, cli_args: list[st
     assert main(["submit", str(data), "-o", str(tmp_path / "out.jsonl"), "--no-progress",
                  "--response-format", str(fmt), *cli_args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_reported_rows_keep_their_custom_ids_apart_and_resumes_skip_stored_rows(
+        client: Client) -> None:
+    from jobs.limits import JobLimits
+
+    rows = [{"custom_id": "a", "prompt": "x"}, {"custom_id": "a", "prompt": "y",
+                                                "temperature": -1}]
+    for order in (rows, rows[::-1], [rows[1], rows[1]]):
+        with pytest.raises(ValueError, match="'a' appears more than once"):
+            client.submit_batch(order, batch_id="dups", rejected={})
+    assert client.jobs.count_by_status() == {}
+
+    rejected: dict = {}
+    batch = client.submit_batch([{"custom_id": "long", "raw_prompt": "z" * 300},
+                                 {"custom_id": "ok", "prompt": "hi"}],
+                                batch_id="limits", rejected=rejected)
+    assert rejected == {} and sorted(batch.job_ids) == ["long", "ok"]
+    # Lower limits later: a resume does not report the rows the batch already holds...
+    client.jobs.limits = JobLimits(max_prompt_bytes=100)
+    again = client.submit_batch([{"custom_id": "long", "raw_prompt": "z" * 300},
+                                 {"custom_id": "ok", "prompt": "hi"},
+                                 {"custom_id": "new", "raw_prompt": "z" * 300}],
+                                batch_id="limits", rejected=rejected)
+    # ...but a new raw prompt over the limit is reported, not stored
+    assert sorted(again.job_ids) == ["long", "ok"]
+    assert list(rejected) == ["new"] and "KVBATCH_MAX_PROMPT_BYTES" in rejected["new"].error

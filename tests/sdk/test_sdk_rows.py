@@ -10,7 +10,7 @@ import pytest
 from services import all_roles_store
 
 from jobs import db
-from jobs.rows import RowKind, output_line, parse_row
+from jobs.rows import ENGINE_FAULT, RowKind, output_line, parse_row
 from jobs.schemas import JobInfo, JobResult, JobSpec, JobStats, JobStatus, Outcome, Usage
 from jobs.stats import aggregate, percentiles
 
@@ -94,6 +94,14 @@ def test_output_shapes() -> None:
     failed = output_line(RowKind.CHAT, _info(JobStatus.FAILED, error="prompt is empty"))
     assert failed["error"] is None and failed["response"]["status_code"] == 400
     assert failed["response"]["body"]["error"]["message"] == "prompt is empty"
+    fault = output_line(RowKind.CHAT, _info(JobStatus.FAILED, error=f"{ENGINE_FAULT}: boom"))
+    assert fault["response"]["status_code"] == 500
+    assert fault["response"]["body"]["error"]["type"] == "server_error"
+    # old results (logprobs without token texts) still read
+    legacy = JobResult.model_validate({"text": "ab", "token_ids": [5, 6],
+                                       "logprobs": [{"5": -0.1, "9": -0.5}, {"6": -2.0}]})
+    assert [lp.token_id for lp in legacy.logprobs or []] == [5, 6]
+    assert [t.token_id for t in (legacy.logprobs or [])[0].top_logprobs] == [5, 9]
 
 
 def test_percentiles() -> None:
