@@ -85,6 +85,9 @@ class WorkerMetrics:
             (counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
              "prefix_cache_hits"),
             (counter("num_preemptions", "Preemptions."), "num_preemptions"),
+            (counter("grammar_compiles", "Response formats compiled (once per distinct "
+                                         "format and worker; a steady rate means formats "
+                                         "that do not repeat)."), "num_grammar_compiles"),
         ]
         self._last = [0] * len(self._engine_counters)
         jobs = Counter(PREFIX + "jobs", "Jobs this worker brought to a terminal status.",

@@ -5,6 +5,7 @@ parses with the official ``openai`` package's own types. A worker on a tiny rand
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jsonschema
@@ -46,11 +47,17 @@ def test_openai_file_with_schema_rows_and_logprobs(tmp_path: Path, client: Clien
     data = tmp_path / "batch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    start_worker()
+    worker = start_worker()
     assert main(["submit", str(data), "-o", str(out), "--model", "tiny", "--no-progress",
                  *cli_args]) == 0
     lines = {json.loads(x)["custom_id"]: json.loads(x) for x in out.read_text().splitlines()}
     assert sorted(lines) == sorted(r["custom_id"] for r in rows)
+    # the 8 rows' one schema was compiled once (engine stats reach the metric within ~1 s)
+    deadline = time.monotonic() + 10
+    while worker.metrics.registry.get_sample_value(
+            "kvbatch_grammar_compiles_total", {"model_name": "tiny"}) != 1.0:
+        assert time.monotonic() < deadline, "kvbatch_grammar_compiles_total did not reach 1"
+        time.sleep(0.1)
     bodies = {k: v["response"]["body"] for k, v in lines.items()}
 
     for i in range(8):
