@@ -10,7 +10,14 @@ from sqlalchemy.orm import Session
 
 from jobs.models import Job
 from jobs.schemas import JobStatus, Outcome
-from jobs.store.transitions import ACTIVE, EXPIRED_UNRUN, aware, terminalize, to_dt
+from jobs.store.transitions import (
+    ACTIVE,
+    EXPIRED_UNRUN,
+    aware,
+    terminalize,
+    terminalize_many,
+    to_dt,
+)
 
 
 class Decision(enum.Enum):
@@ -103,12 +110,8 @@ class DeliveryStore:
     def finish(self, outcomes: Iterable[Outcome], worker_id: str | None = None) -> set[str]:
         """Store terminal outcomes in one transaction; return the ids that became terminal now
         (the others were terminal already and are left untouched)."""
-        done: set[str] = set()
         with Session(self.engine) as session, session.begin():
-            for outcome in outcomes:
-                if terminalize(session, outcome, worker_id=worker_id):
-                    done.add(outcome.job_id)
-        return done
+            return terminalize_many(session, list(outcomes), worker_id=worker_id)
 
     def release(self, job_ids: Sequence[str], worker_id: str) -> int:
         """Hand running jobs back to the queue without counting the attempt."""

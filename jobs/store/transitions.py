@@ -3,11 +3,12 @@ terminal status with their ``job_metrics`` row."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Update, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Job, JobMetrics
@@ -45,6 +46,30 @@ def terminalize(session: Session, outcome: Outcome, worker_id: str | None = None
                 attempts: int | None = None) -> bool:
     """Move one active job to its terminal state with its metrics row; False if it was not
     active (someone else finished it first)."""
+    return bool(terminalize_many(session, [outcome], worker_id=worker_id, attempts=attempts))
+
+
+def terminalize_many(session: Session, outcomes: Sequence[Outcome],
+                     worker_id: str | None = None, attempts: int | None = None) -> set[str]:
+    """:func:`terminalize` for many outcomes in one transaction: one guarded UPDATE each (a
+    statement compiled once, its values bound), then their metrics rows in one INSERT.
+    Returns the ids that became terminal now."""
+    done: dict[str, Outcome] = {}
+    for outcome in outcomes:
+        values = _terminal_values(outcome, worker_id, attempts)
+        statement = _terminal_update(frozenset(values))
+        if outcome.job_id not in done and session.execute(
+                statement, {"job_id_": outcome.job_id, **values}).rowcount == 1:
+            done[outcome.job_id] = outcome
+    if done:
+        session.execute(insert(JobMetrics.__table__), [
+            {"job_id": job_id, **(o.stats or JobStats()).model_dump()}
+            for job_id, o in done.items()])
+    return set(done)
+
+
+def _terminal_values(outcome: Outcome, worker_id: str | None,
+                     attempts: int | None) -> dict[str, Any]:
     values: dict[str, Any] = {
         "status": outcome.status.value,
         "finished_at": to_dt(outcome.finished_at),
@@ -64,14 +89,18 @@ def terminalize(session: Session, outcome: Outcome, worker_id: str | None = None
                 lp.model_dump(mode="json") for lp in result.logprobs],
             choices=[c.model_dump(mode="json") for c in result.choices] or None,
         )
-    res = session.execute(
-        update(Job).where(Job.id == outcome.job_id, Job.status.in_(ACTIVE)).values(**values)
-    )
-    if res.rowcount != 1:
-        return False
-    stats = outcome.stats or JobStats()
-    session.execute(insert(JobMetrics).values(job_id=outcome.job_id, **stats.model_dump()))
-    return True
+    return values
+
+
+@functools.cache
+def _terminal_update(columns: frozenset[str]) -> Update:
+    """``UPDATE jobs SET <columns> WHERE id = :job_id_ AND status is active``, with bound
+    values: built and compiled once per column set, not per job."""
+    table = Job.__table__
+    return (update(table)
+            .where(table.c.id == bindparam("job_id_"), table.c.status.in_(ACTIVE))
+            .values({name: bindparam(name, type_=table.c[name].type)
+                     for name in sorted(columns)}))
 
 
 def end_many(session: Session, rows: Sequence[tuple[str, str, str]], status: JobStatus,
