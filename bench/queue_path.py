@@ -3,10 +3,14 @@ worker and PostgreSQL, measured in one run.
 
 Two modes:
 
-* ``engine`` (default): the same jobs (chat prompts sharing a ~170-token system prompt,
-  outputs of 8-64 tokens, greedy, ``ignore_eos``) run first through ``LLMEngine.generate``
-  in this process, then through the SDK, Redis, a ``kvbatch worker`` process and PostgreSQL
-  (first submission to last terminal row). Prints useful tok/s both ways and the ratio.
+* ``engine`` (default): the same jobs (chat prompts sharing a ~110-token system prompt,
+  outputs of 8-64 tokens, greedy, ``ignore_eos``) run through ``LLMEngine.generate`` in this
+  process and through the SDK, Redis, a ``kvbatch worker`` process and PostgreSQL (first
+  submission to last terminal row), alternately ``--repeat`` times, both engines warm (a
+  shared machine drifts by 10-20 % between runs; pairs side by side and best-of-N see past
+  it). Prints useful tok/s both ways, the ratio of the best runs and the median of the
+  pairs' ratios. ``--compare-thread`` adds a worker whose engine runs on a thread of its
+  own process (``--no-engine-process``), the design this one replaced.
 * ``null``: a worker process whose engine is a stand-in (:class:`NullEngine`: every request
   gets ``--null-tokens`` tokens a step, at no cost), so what is measured is the queue's own
   cost: the job rate from submission to terminal SQL row with one worker, and the latency of
@@ -33,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import text
 
@@ -177,21 +182,25 @@ def scratch_services(redis_url: str, database_url: str) -> Iterator[Services]:
 
 
 @contextmanager
-def worker_process(services: Services, args: argparse.Namespace, null: bool) -> Iterator[None]:
-    """A worker process for the run's services; returns once it is live, stopped after."""
+def worker_process(services: Services, args: argparse.Namespace, null: bool,
+                   engine_process: bool = True) -> Iterator[None]:
+    """A worker process for the run's services (its engine in a child process unless not
+    ``engine_process``); returns once it is live, stopped after."""
     from jobs.sdk import Client
 
     env = {**os.environ, "KVBATCH_REDIS_URL": services.redis_url,
            "KVBATCH_DATABASE_URL": services.database_url,
            "KVBATCH_KEY_PREFIX": services.key_prefix, "KVBATCH_MODEL": args.model,
            "KVBATCH_SERVED_MODEL_NAME": MODEL_NAME, "KVBATCH_DTYPE": args.dtype,
-           "KVBATCH_MAX_NUM_SEQS": str(args.max_num_seqs)}
+           "KVBATCH_MAX_NUM_SEQS": str(args.max_num_seqs),
+           "KVBATCH_ENGINE_PROCESS": str(engine_process).lower()}
     if null:
         cmd = [sys.executable, "-m", "bench.queue_path", "--serve-null",
                "--null-tokens", str(args.null_tokens)]
     else:
         cmd = [sys.executable, "-m", "worker.cli", "worker"]
-    log = open(Path(args.out) / f"worker-{'null' if null else 'engine'}.log", "w")  # noqa: SIM115
+    name = "null" if null else "engine" if engine_process else "engine-thread"
+    log = open(Path(args.out) / f"worker-{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         with Client(services.redis_url, services.database_url, key_prefix=services.key_prefix,
@@ -225,13 +234,20 @@ def _rows(n: int, seed: int = 0) -> list[dict]:
             for i in range(n)]
 
 
-def run_direct(args: argparse.Namespace, rows: list[dict]) -> tuple[float, int]:
-    """(seconds, output tokens) of the rows through ``LLMEngine.generate``."""
+def direct_engine(args: argparse.Namespace, warm_rows: list[dict]) -> Any:
+    """The bench's own ``LLMEngine``, warmed on ``warm_rows``."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs))
-    engine.generate([r["messages"] for r in rows[:4]], SamplingParams(max_tokens=2))  # warm
+    engine.generate([r["messages"] for r in warm_rows], SamplingParams(max_tokens=2))
+    return engine
+
+
+def run_direct(engine: Any, rows: list[dict]) -> tuple[float, int]:
+    """(seconds, output tokens) of the rows through ``engine.generate``."""
+    from engine import SamplingParams
+
     params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True)
               for r in rows]
     start = time.perf_counter()
@@ -271,6 +287,36 @@ def lone_job_latencies(services: Services, n: int) -> list[float]:
     return latencies
 
 
+def engine_mode(args: argparse.Namespace) -> int:
+    """Direct against queue path, alternately, per job count and worker kind."""
+    warm_rows = [{**r, "max_tokens": 2} for r in _rows(4)]
+    engine = direct_engine(args, warm_rows)
+    print("| worker's engine | jobs | output tokens | direct tok/s | queue path tok/s | "
+          "ratio of best | median ratio | submit s |")
+    print("|---|---|---|---|---|---|---|---|")
+    kinds = [("process", True)] + ([("thread", False)] if args.compare_thread else [])
+    with scratch_services(args.redis_url, args.database_url) as services:
+        for label, in_child in kinds:
+            with worker_process(services, args, null=False, engine_process=in_child):
+                run_queue(services, warm_rows)
+                for n in args.jobs:
+                    rows = _rows(n)
+                    direct, queued, submits = [], [], []
+                    for _ in range(args.repeat):
+                        direct_s, direct_tokens = run_direct(engine, rows)
+                        queue_s, queue_tokens, submit_s = run_queue(services, rows)
+                        assert queue_tokens == direct_tokens, (queue_tokens, direct_tokens)
+                        direct.append(direct_tokens / direct_s)
+                        queued.append(queue_tokens / queue_s)
+                        submits.append(submit_s)
+                    ratios = [q / d for q, d in zip(queued, direct, strict=True)]
+                    print(f"| {label} | {n} | {direct_tokens} | {max(direct):.1f} | "
+                          f"{max(queued):.1f} | {max(queued) / max(direct):.3f} | "
+                          f"{statistics.median(ratios):.3f} | {statistics.median(submits):.2f} |",
+                          flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=["engine", "null"], default="engine")
@@ -278,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=3, help="engine mode: runs each way, "
+                                                              "alternating")
+    parser.add_argument("--compare-thread", action="store_true",
+                        help="engine mode: also a worker with its engine on a thread")
     parser.add_argument("--null-tokens", type=int, default=8, help="null engine: tokens a "
                                                                    "request gets per step")
     parser.add_argument("--lone-jobs", type=int, default=200, help="null mode: jobs timed "
@@ -293,20 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
 
     if args.mode == "engine":
-        print("| jobs | output tokens | direct tok/s | queue path tok/s | ratio | submit s |")
-        print("|---|---|---|---|---|---|")
-        for n in args.jobs:
-            rows = _rows(n)
-            direct_s, direct_tokens = run_direct(args, rows)
-            with scratch_services(args.redis_url, args.database_url) as services, \
-                    worker_process(services, args, null=False):
-                queue_s, queue_tokens, submit_s = run_queue(services, rows)
-            assert queue_tokens == direct_tokens, (queue_tokens, direct_tokens)
-            direct_tps, queue_tps = direct_tokens / direct_s, queue_tokens / queue_s
-            print(f"| {n} | {direct_tokens} | {direct_tps:.1f} | {queue_tps:.1f} | "
-                  f"{queue_tps / direct_tps:.3f} | {submit_s:.2f} |", flush=True)
-        return 0
-
+        return engine_mode(args)
     with scratch_services(args.redis_url, args.database_url) as services, \
             worker_process(services, args, null=True):
         lone = lone_job_latencies(services, args.lone_jobs)

@@ -34,6 +34,7 @@ from jobs.limits import JobLimits
 from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore, MaintenanceStore
+from worker.engine_process import EngineProcess
 from worker.engine_thread import Abort, Add, Crashed, Engine, EngineThread, Rejected, Stepped
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
@@ -83,13 +84,15 @@ class Worker:
 
     Args:
         settings: the worker's settings.
-        llm: the engine (an ``engine.LLMEngine``); from now on only the worker's engine
-            thread uses it.
+        llm: the engine: an :class:`~worker.engine_process.EngineProcess` (the engine in a
+            child process, as ``kvbatch worker`` runs it), or an engine object (an
+            ``engine.LLMEngine``, a test's wrapper) run on a thread of this process, which from
+            now on alone uses it.
         redis_client: optional client (``decode_responses=True``); else from ``redis_url``.
         database: optional SQLAlchemy engine; else from ``database_url``.
     """
 
-    def __init__(self, settings: WorkerSettings, llm: Engine, *,
+    def __init__(self, settings: WorkerSettings, llm: Engine | EngineProcess, *,
                  redis_client: redis.Redis | None = None,
                  database: Database | None = None) -> None:
         self.settings = s = settings
@@ -106,8 +109,7 @@ class Worker:
         self.keys = Keys(s.key_prefix)
         self.queue = JobQueue(self.redis, s.model_name, self.keys)
         self.metrics = WorkerMetrics(s.model_name)
-        self.engine_thread = EngineThread(llm)
-        self.llm = llm  # read here only for its tokenizer facts (thread-safe lookups)
+        self.engine = llm if isinstance(llm, EngineProcess) else EngineThread(llm)
         self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
@@ -149,7 +151,7 @@ class Worker:
         self.intake.take_back_own()
         self.heartbeat.start()
         self.reconciler.start()
-        self.engine_thread.start()
+        self.engine.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
         try:
             while True:
@@ -178,7 +180,7 @@ class Worker:
     def _close(self) -> None:
         self.reconciler.stop()
         self.heartbeat.stop()
-        self.engine_thread.stop()
+        self.engine.stop()
         with contextlib.suppress(redis.RedisError):
             if self._pubsub is not None:
                 self._pubsub.close()
@@ -239,8 +241,8 @@ class Worker:
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
         # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
-        self.engine_thread.commands.put(
-            Add(spec.id, spec.engine_prompt(chat=self.llm.has_chat_template), spec.sampling,
+        self.engine.commands.put(
+            Add(spec.id, spec.engine_prompt(chat=self.engine.has_chat_template), spec.sampling,
                 spec.priority))
 
     # -- cancellation and deadlines ----------------------------------------------------------
@@ -266,13 +268,13 @@ class Worker:
         h = self.held.get(job_id)
         if h is not None and h.abort_as is None:
             h.abort_as = status
-            self.engine_thread.commands.put(Abort(job_id))
+            self.engine.commands.put(Abort(job_id))
 
     # -- outputs -----------------------------------------------------------------------------
 
     def _collect(self, wait_s: float) -> bool:
         try:
-            events = self.engine_thread.events
+            events = self.engine.events
             event = events.get(timeout=wait_s) if wait_s else events.get_nowait()
         except queue.Empty:
             return True
@@ -295,25 +297,29 @@ class Worker:
     def _on_step(self, ev: Stepped) -> None:
         self.engine_stats = ev.stats
         self.metrics.observe_engine(ev.stats)
-        for out in ev.outputs:
-            h = self.held.get(out.request_id)
+        for job_id, n_tokens in ev.progress.items():
+            if (h := self.held.get(job_id)) is not None:
+                self._observe_tokens(h, n_tokens, ev.time_s)
+        for out in ev.finished:
+            h = self.held.pop(out.request_id, None)
             if h is None:
                 continue  # handed back already
-            n_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
-            new = n_tokens - h.tokens_seen
-            if new > 0:
-                if h.last_token_s is not None:
-                    gap = (ev.time_s - h.last_token_s) / new
-                    for _ in range(new):
-                        self.metrics.itl.observe(gap)
-                h.tokens_seen, h.last_token_s = n_tokens, ev.time_s
-            if out.finished:
-                del self.held[out.request_id]
-                self.results.add(self._outcome(h, out), h.delivery)
+            self._observe_tokens(h, max((len(c.token_ids) for c in out.outputs), default=0),
+                                 ev.time_s)
+            self.results.add(self._outcome(h, out), h.delivery)
+
+    def _observe_tokens(self, h: Held, n_tokens: int, time_s: float) -> None:
+        new = n_tokens - h.tokens_seen
+        if new > 0:
+            if h.last_token_s is not None:
+                gap = (time_s - h.last_token_s) / new
+                for _ in range(new):
+                    self.metrics.itl.observe(gap)
+            h.tokens_seen, h.last_token_s = n_tokens, time_s
 
     def _outcome(self, h: Held, out: RequestOutput) -> Outcome:
         outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as,
-                                 lambda token: self.llm.token_bytes(token),
+                                 self.engine.token_bytes,
                                  self.limits.max_result_bytes)
         stats = outcome.stats
         assert stats is not None
@@ -338,7 +344,7 @@ class Worker:
         self._redis_io(time.time(), lambda _now: self.outbox.flush())
         ids = list(self.held)
         for job_id in ids:
-            self.engine_thread.commands.put(Abort(job_id))
+            self.engine.commands.put(Abort(job_id))
         self.held.clear()
         if ids and not count_attempt:
             try:

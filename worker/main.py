@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from engine.llm_engine import LLMEngine
+    from worker.engine_process import EngineProcess
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,15 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
     from engine.llm_engine import LLMEngine
 
     return LLMEngine(s.engine)
+
+
+def start_engine(s: WorkerSettings) -> LLMEngine | EngineProcess:
+    """The worker's engine, loaded: in a child process unless ``s.engine_process`` is off."""
+    if s.engine_process:
+        from worker.engine_process import EngineProcess
+
+        return EngineProcess(s.engine)
+    return build_engine(s)
 
 
 def preflight(s: WorkerSettings) -> None:
@@ -75,7 +85,7 @@ def run_worker(settings: WorkerSettings) -> int:
     call :func:`preflight` first."""
     from worker.loop import Worker
 
-    worker = Worker(settings, build_engine(settings))
+    worker = Worker(settings, start_engine(settings))
     if settings.metrics_port is not None:
         serve_metrics(settings, worker.metrics.registry)
     signals = 0

@@ -36,6 +36,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # an exited child nobody reaped yet is not running
+
+
 def _long(i: int, max_tokens: int) -> JobSpec:
     return JobSpec(model=MODEL, prompt=f"job {i}",
                    sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
@@ -58,8 +78,10 @@ def test_sigkilled_worker_jobs_finish_on_another(
         time.sleep(0.3)  # mid-generation
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert 'kvbatch_num_requests_running{model_name="tiny"} 6.0' in metrics
+        (engine_pid,) = _children(proc.pid)  # the engine process
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        wait_for(lambda: not _running(engine_pid), 10)  # it leaves with its worker
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -144,3 +166,31 @@ def test_poison_job_ends_in_dead_letter_stream(
     (ok,) = client.wait(client.submit([JobSpec(model=MODEL, prompt="fine")]), timeout_s=30)
     assert ok.status is JobStatus.SUCCEEDED
     assert healthy.stop() == 0
+
+
+def test_engine_process_killed_worker_exits_and_jobs_move_on(
+    redis_client: redis.Redis, keys: Keys, pg_url: str, pg_engine: sa.Engine, tiny_model: str,
+    start_worker, wait_for, tmp_path: Path,
+) -> None:  # type: ignore[no-untyped-def]
+    """The engine's process dies (an out-of-memory kill, a segfault in a kernel): the worker
+    reports the crash, gives up its lease and exits 1; another worker finishes the jobs."""
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    ids = client.submit([_long(i, max_tokens=1900) for i in range(3)])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = _worker_cmd(["worker"], tiny_model, keys, pg_url, "--worker-id", "oom")
+    log = (tmp_path / "worker.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
+        (engine_pid,) = _children(proc.pid)
+        os.kill(engine_pid, signal.SIGKILL)
+        assert proc.wait(20) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "the engine process exited with code -9" in (tmp_path / "worker.log").read_text()
+    assert JobQueue(redis_client, MODEL, keys).live_workers() == set()  # lease given up
+    survivor = start_worker()
+    infos = client.wait(ids, timeout_s=90)
+    assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 2 for i in infos), infos
+    assert {i.worker_id for i in infos} == {survivor.worker.worker_id}

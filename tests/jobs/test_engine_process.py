@@ -1,0 +1,169 @@
+"""The engine in a child process (``worker.engine_process``): what crosses the socket comes
+back equal, the child's outputs are the in-process engine's, and a child that cannot start or
+dies is reported, never waited on forever."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sequence import RequestMetrics
+from worker.engine_process import (
+    EngineProcess,
+    EngineStartError,
+    Frames,
+    decode_command,
+    decode_event,
+    encode_command,
+    encode_event,
+    frame,
+)
+from worker.engine_thread import Abort, Add, Crashed, Event, Rejected, Stepped
+
+STATS = EngineStats(num_running=1, num_waiting=2, num_kv_blocks_total=64, num_kv_blocks_free=60,
+                    kv_usage=0.0625, kv_bytes_per_block=4096, prefix_cache_queries=10,
+                    prefix_cache_hits=4, num_preemptions=1, num_prompt_tokens=10,
+                    num_generated_tokens=3, num_steps=2, num_batched_tokens=13,
+                    num_grammar_compiles=1)
+
+
+def _wire(message: dict) -> dict:
+    """``message`` as the other side reads it: framed, sent through a socket pair, parsed."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frame(message))
+        (got,) = Frames(b).read(None)
+    return got
+
+
+def test_commands_cross_the_wire_equal() -> None:
+    params = SamplingParams(
+        n=2, temperature=0.7, top_k=5, seed=3, max_tokens=9, stop=["\n\n"],
+        stop_token_ids=[7], logprobs=2, logit_bias={11: -100.0, 12: 5.5},
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "row", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                      "required": ["a"]}}})
+    for cmd in (Add("job-1", [{"role": "user", "content": "héllo \u2603"}], params, -3),
+                Add("job-2", "raw text", SamplingParams(), 0), Abort("job-3")):
+        assert decode_command(_wire(encode_command(cmd))) == cmd
+
+
+def test_events_cross_the_wire_equal() -> None:
+    metrics = RequestMetrics(arrival_time=1.5, first_scheduled_time=1.6, first_token_time=1.7,
+                             finish_time=2.0, num_prompt_tokens=4, num_cached_tokens=2,
+                             num_generated_tokens=2, peak_kv_blocks=1, peak_kv_bytes=4096)
+    # The sampled token first, then the top ones, whatever their ids: the order is kept.
+    logprobs = [{9: -0.25, 3: -0.1, 9000: -2.0}, {4: -math.inf, 5: -0.5}]
+    out = RequestOutput("job-1", [1, 2, 3, 4], [
+        CompletionOutput(0, [9, 4], "ab", "length", logprobs),
+        CompletionOutput(1, [9, 5], "ac", "stop", None)], True, metrics)
+    event = Stepped(12.5, {"job-2": 7}, [out], STATS)
+    vocab = {t: f"<{t}>".encode() for t in (9, 3, 9000, 4, 5)}
+    token_bytes: dict[int, bytes] = {}
+    assert decode_event(_wire(encode_event(event, vocab.__getitem__)), token_bytes) == event
+    assert token_bytes == vocab
+    assert list(event.finished[0].outputs[0].logprobs[0]) == [9, 3, 9000]
+    for other in (Rejected("job-3", "ValueError: prompt too long"), Crashed("Traceback ...")):
+        assert decode_event(_wire(encode_event(other, vocab.__getitem__)), {}) == other
+
+
+def test_frames_split_and_join_across_reads() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        data = b"".join(frame({"i": i, "pad": "x" * i * 1000}) for i in range(50))
+        frames = Frames(b)
+        got: list[dict] = []
+        for at in range(0, len(data), 777):  # messages cut at arbitrary places
+            a.sendall(data[at:at + 777])
+            got += frames.read(1.0) or []
+        assert [m["i"] for m in got] == list(range(50))
+        a.close()
+        assert frames.read(1.0) is None  # the other side closed
+
+
+def _events_until(proc: EngineProcess, done, timeout_s: float = 60.0) -> list[Event]:  # type: ignore[no-untyped-def]
+    events: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    while not done(events):
+        assert time.monotonic() < deadline, events
+        events.append(proc.events.get(timeout=deadline - time.monotonic()))
+    return events
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", num_kv_blocks=256, max_num_seqs=8)
+
+
+def test_child_engine_matches_the_engine_in_this_process(tiny_model: str) -> None:
+    from engine.llm_engine import LLMEngine
+
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    engine = LLMEngine(_config(tiny_model))
+    expected = engine.generate(prompts, params)
+
+    proc = EngineProcess(_config(tiny_model))
+    proc.start()
+    try:
+        assert proc.has_chat_template is engine.has_chat_template
+        for i, prompt in enumerate(prompts):
+            proc.commands.put(Add(f"r{i}", prompt, params, 0))
+        proc.commands.put(Add("bad", "word " * 5000, params, 0))  # over max_model_len
+        events = _events_until(proc, lambda evs: sum(
+            len(e.finished) for e in evs if isinstance(e, Stepped)) == len(prompts))
+        finished = {o.request_id: o for e in events if isinstance(e, Stepped) for o in e.finished}
+        for i, want in enumerate(expected):
+            got = finished[f"r{i}"]
+            assert (got.token_ids, got.text, got.finish_reason) == (
+                want.token_ids, want.text, want.finish_reason)
+            got_lp, want_lp = got.outputs[0].logprobs, want.outputs[0].logprobs
+            assert [list(step) for step in got_lp] == [list(step) for step in want_lp]
+            assert [v for step in got_lp for v in step.values()] == pytest.approx(
+                [v for step in want_lp for v in step.values()], abs=1e-5)
+            for step in got_lp:
+                for token in step:
+                    assert proc.token_bytes(token) == engine.token_bytes(token)
+        (rejected,) = [e for e in events if isinstance(e, Rejected)]
+        assert rejected.job_id == "bad" and rejected.error.startswith("ValueError: ")
+        progress = [e.progress for e in events if isinstance(e, Stepped) and e.progress]
+        assert progress and all(0 < n < 12 for p in progress for n in p.values())
+    finally:
+        proc.stop()
+    assert proc.process.returncode == 0
+
+
+def test_child_that_cannot_load_its_model_fails_the_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(EngineStartError, match=r"could not start: .*no-such-model"):
+        EngineProcess(_config(str(tmp_path / "no-such-model")))
+
+
+def test_a_killed_child_is_a_crash(tiny_model: str) -> None:
+    proc = EngineProcess(_config(tiny_model))
+    proc.start()
+    os.kill(proc.process.pid, signal.SIGKILL)
+    (event,) = _events_until(proc, lambda evs: bool(evs), timeout_s=10)
+    assert event == Crashed("the engine process exited with code -9")
+    proc.stop()
+
+
+def test_child_ignores_signals_and_leaves_with_its_parent(tiny_model: str) -> None:
+    """Ctrl-C reaches the whole process group: the child keeps serving, so the worker can
+    drain. When the worker is gone (its socket closed), the child exits."""
+    proc = EngineProcess(_config(tiny_model))
+    proc.start()
+    os.kill(proc.process.pid, signal.SIGINT)
+    os.kill(proc.process.pid, signal.SIGTERM)
+    proc.commands.put(Add("r", "still here", SamplingParams(max_tokens=3), 0))
+    events = _events_until(proc, lambda evs: any(
+        isinstance(e, Stepped) and e.finished for e in evs))
+    assert not any(isinstance(e, Crashed) for e in events)
+    proc._sock.close()  # what the worker's death does to the child's socket
+    assert proc.process.wait(10) == 0
