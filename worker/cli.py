@@ -19,8 +19,6 @@ from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
 from jobs.tables import printable
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
 
 def _bench(bench_args: list[str]) -> int:
     import runpy
@@ -38,7 +36,7 @@ def _bench(bench_args: list[str]) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from worker.main import preflight, run_worker
-    from worker.settings import settings_from_args
+    from worker.settings import LOG_FORMAT, settings_from_args
 
     settings = settings_from_args(args)  # bad values fail here, before any logging
     preflight(settings)
@@ -49,6 +47,7 @@ def _worker(args: argparse.Namespace) -> int:
 def _control(args: argparse.Namespace) -> int:
     from worker.control.app import run_control
     from worker.control.settings import control_settings_from_args
+    from worker.settings import LOG_FORMAT
 
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     return run_control(control_settings_from_args(args), concurrency=args.concurrency,

@@ -46,6 +46,7 @@ from worker.engine_thread import (
     Stepped,
     serve,
 )
+from worker.settings import LOG_FORMAT
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -255,8 +256,6 @@ class EngineProcess:
 def child_main(fd: int) -> int:
     """The engine process: build the engine from the parent's config, then :func:`serve` it
     until the parent says stop or goes away."""
-    from worker.cli import LOG_FORMAT
-
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     # Signals are the parent's business: it drains, then tells this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
