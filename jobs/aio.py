@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import functools
 from collections import defaultdict
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -26,6 +26,8 @@ from jobs.schemas import JobInfo, JobResult, JobStatus
 from jobs.sdk import BatchCounts, BatchHandle, Client, JobHandle, result_of
 from jobs.settings import connection_settings
 from jobs.stats import Stats
+
+T = TypeVar("T")
 
 
 class AsyncJobHandle:
@@ -111,8 +113,8 @@ class AsyncBatchHandle:
         Args:
             timeout_s: raise ``TimeoutError`` after this long.
         """
-        async for _ in self.results(timeout_s):
-            pass
+        job_ids = await self.job_ids()
+        await self.client.wait_terminal(list(job_ids.values()), timeout_s, batch_id=self.id)
         return await self.counts()
 
     async def cancel(self) -> int:
@@ -228,11 +230,26 @@ class AsyncClient:
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
         follower = self.jobs.follower(job_ids, timeout_s, poll_interval_s, batch_id)
+        async for info in self._drive(follower, follower.take):
+            yield info
+
+    async def wait_terminal(self, job_ids: Collection[str], timeout_s: float | None = None,
+                            poll_interval_s: float = 1.0, batch_id: str | None = None) -> None:
+        """Wait until all ``job_ids`` are terminal, reading their ids and statuses only (no
+        results); the arguments are :meth:`follow`'s. Raises ``TimeoutError``."""
+        follower = self.jobs.follower(job_ids, timeout_s, poll_interval_s, batch_id)
+        async for _ in self._drive(follower, follower.take_ids):
+            pass
+
+    async def _drive(self, follower: Follower,
+                     take: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
+        """Yield what ``take`` finds (on a thread: it reads SQL) until ``follower`` has
+        nothing pending, woken by the shared subscription between polls."""
         noticed = await self._notices.add(follower)  # subscribed before the first read of SQL
         try:
             while True:
-                for info in await asyncio.to_thread(follower.take):
-                    yield info
+                for item in await asyncio.to_thread(take):
+                    yield item
                 if not follower.pending:
                     return
                 if follower.expired():

@@ -11,9 +11,9 @@ import contextlib
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from sqlalchemy import Engine
@@ -28,6 +28,8 @@ from jobs.stats import Stats, aggregate
 from jobs.store import JobReader, ProducerStore
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class JobClient:
@@ -209,9 +211,16 @@ class JobClient:
              poll_interval_s: float = 1.0) -> list[JobInfo]:
         """Block until all ``job_ids`` are terminal (or ``timeout_s`` passes); return them."""
         with contextlib.suppress(TimeoutError):
-            for _ in self.follow(job_ids, timeout_s, poll_interval_s):
-                pass
+            self.wait_terminal(job_ids, timeout_s, poll_interval_s)
         return self.reader.get_many(list(job_ids))
+
+    def wait_terminal(self, job_ids: Collection[str], timeout_s: float | None = None,
+                      poll_interval_s: float = 1.0, batch_id: str | None = None) -> None:
+        """Block until all ``job_ids`` are terminal, reading their ids and statuses only (no
+        results); the arguments are :meth:`follow`'s. Raises ``TimeoutError``."""
+        follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
+        for _ in self._drive(follower, follower.take_ids):
+            pass
 
     def follow(self, job_ids: Collection[str], timeout_s: float | None = None,
                poll_interval_s: float = 1.0, batch_id: str | None = None) -> Iterator[JobInfo]:
@@ -224,6 +233,11 @@ class JobClient:
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
         follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
+        return self._drive(follower, follower.take)
+
+    def _drive(self, follower: Follower, take: Callable[[], Iterable[T]]) -> Iterator[T]:
+        """Yield what ``take`` finds until ``follower`` has nothing pending, woken by the done
+        channel between polls."""
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(self.done_channel)  # before the first read of SQL
         try:

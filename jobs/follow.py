@@ -63,18 +63,34 @@ class Follower:
 
     def take(self) -> list[JobInfo]:
         """Blocking SQL: the pending jobs that are terminal now, oldest finish first."""
-        ids = self._noticed & self.pending
-        self._noticed.clear()
-        if time.monotonic() >= self._next_poll:
-            ids |= self._poll()
-            self._next_poll = time.monotonic() + self.poll_interval_s
-        if not ids:
+        noticed, polled = self._due()
+        if not noticed and not polled:
             return []
-        infos = [i for i in self.store.get_many(sorted(ids)) if i.status.terminal]
+        infos = [i for i in self.store.get_many(sorted(noticed | polled)) if i.status.terminal]
         infos.sort(key=lambda i: (i.finished_at is None, i.finished_at))
-        self.pending -= {i.id for i in infos}
-        self.reported += len(infos)
+        self._report({i.id for i in infos})
         return infos
+
+    def take_ids(self) -> set[str]:
+        """As :meth:`take`, but only the ids: no result is read (waiting, not collecting)."""
+        noticed, polled = self._due()
+        done = polled | (self.store.terminal_ids(sorted(noticed)) if noticed else set())
+        self._report(done)
+        return done
+
+    def _due(self) -> tuple[set[str], set[str]]:
+        """(pending jobs announced done, pending jobs a poll found terminal, if one is due)."""
+        noticed = self._noticed & self.pending
+        self._noticed.clear()
+        polled: set[str] = set()
+        if time.monotonic() >= self._next_poll:
+            polled = self._poll()
+            self._next_poll = time.monotonic() + self.poll_interval_s
+        return noticed - polled, polled
+
+    def _report(self, done: set[str]) -> None:
+        self.pending -= done
+        self.reported += len(done)
 
     def _poll(self) -> set[str]:
         if self.batch_id is not None:

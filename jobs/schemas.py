@@ -27,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticSerializationError
 
 from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
@@ -139,7 +140,13 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _storable_text(self) -> JobSpec:
-        bad = _unstorable_text(self.model_dump(mode="json"))
+        # The JSON form is quick to make, fails on a lone surrogate and spells NUL "\u0000";
+        # only then (or for a literal backslash-u0000) is every string looked at.
+        try:
+            suspect = "\\u0000" in self.model_dump_json()
+        except PydanticSerializationError:
+            suspect = True
+        bad = _unstorable_text(self.model_dump(mode="json")) if suspect else None
         if bad:
             raise ValueError(f"the job contains {bad}, which the database cannot store")
         return self

@@ -178,8 +178,7 @@ class BatchHandle:
         Args:
             timeout_s: raise ``TimeoutError`` after this long.
         """
-        for _ in self.results(timeout_s):
-            pass
+        self.jobs.wait_terminal(list(self.job_ids.values()), timeout_s, batch_id=self.id)
         return self.counts()
 
     def cancel(self) -> int:

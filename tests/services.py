@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -41,3 +42,11 @@ def all_roles_store():  # type: ignore[no-untyped-def]
         pass
 
     return SQL
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (a worker's engine process), from /proc."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []

@@ -1,17 +1,20 @@
-"""The worker loop: pull jobs from the stream, feed the engine thread, persist results.
+"""The worker loop: pull jobs from the stream, feed the engine, persist results.
 
 One pass of :meth:`Worker.tick` is a visible pipeline::
 
     pull (Redis: cancels; then ``worker.intake``: own pending after a restart, orphans,
     XREADGROUP COUNT=free capacity) → decide (``worker.intake``, SQL: count the delivery,
-    skip duplicates, dead-letter, expire) → admit (engine thread) → collect outputs →
-    persist (one SQL transaction) → flush the outbox (XACK, dead letters, completion notices)
+    skip duplicates, dead-letter, expire) → admit (the engine: ``worker.engine_process``) →
+    collect outputs → hand them to the result writer → flush the outbox (acks and dead
+    letters of jobs settled at intake)
 
-All Redis and SQL I/O happens on this thread, except the lease (``worker/heartbeat.py``) and
-the reconciler (``worker/maintenance.py``), which have their own threads so a slow pass never
-costs the worker its jobs. A failing database or Redis only delays work: undecided deliveries,
-unsaved results and owed Redis writes are retried with backoff, and nothing is acknowledged
-before it is stored.
+The result writer (``worker/persist.py``) stores finished jobs on a thread of its own (one SQL
+transaction for what gathered, then XACK and completion notices), so the next pass pulls
+while the last results are written. Other I/O happens on this thread, except the lease
+(``worker/heartbeat.py``) and the reconciler (``worker/maintenance.py``), which have their own
+threads so a slow pass never costs the worker its jobs. A failing database or Redis only
+delays work: undecided deliveries, unsaved results and owed Redis writes are retried with
+backoff, and nothing is acknowledged before it is stored.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class Worker:
         self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
-        self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox, self.metrics)
+        self.results = ResultWriter(self.deliveries, self.worker_id, self.queue, self.metrics)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S)
         self.reconciler = ReconcilerThread(MaintenanceStore(self.database), self.queue,
                                            self.worker_id,
@@ -152,6 +155,7 @@ class Worker:
         self.heartbeat.start()
         self.reconciler.start()
         self.engine.start()
+        self.results.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
         try:
             while True:
@@ -178,6 +182,7 @@ class Worker:
         return bool(self.held or self.intake or self.results or self.outbox)
 
     def _close(self) -> None:
+        self.results.stop()
         self.reconciler.stop()
         self.heartbeat.stop()
         self.engine.stop()
@@ -195,9 +200,9 @@ class Worker:
         self._redis_io(now, self._pull_pass)
         self._decide(now)
         self._expire_overdue(now)
-        if not self._collect(wait_s=self.settings.poll_interval_ms / 1000 if self.held else 0):
+        waiting = self.held or self.results  # on the engine or the writer: no busy loop
+        if not self._collect(wait_s=self.settings.poll_interval_ms / 1000 if waiting else 0):
             return False
-        self.results.flush()
         self._redis_io(time.time(), lambda _now: self.outbox.flush())
         return True
 
@@ -215,7 +220,7 @@ class Worker:
     def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
         if not self.draining:
-            idle = not self.held and not self.results
+            idle = not self.held  # the writer stores results on its own thread meanwhile
             self.intake.pull(now, self.free_capacity(), self.held, idle)
         if now >= self._depth_at:
             waiting, _ = self.queue.depth()
@@ -338,7 +343,9 @@ class Worker:
         their stream entries now."""
         if not count_attempt:
             self._collect(wait_s=0)
+        self.results.stop()  # its last pass done, the rest is flushed here
         self.results.backoff.ok()
+        self.results.redis_backoff.ok()
         self.results.flush()
         self._redis_backoff.ok()
         self._redis_io(time.time(), lambda _now: self.outbox.flush())

@@ -1,20 +1,26 @@
-"""Storing finished jobs: one SQL transaction per loop pass, then acks and notices.
+"""Storing finished jobs, on a thread of their own: one SQL transaction for what gathered,
+then its acks and notices.
 
-Nothing is acknowledged before its result is stored. A database outage keeps results here
-(retried with backoff); a result the database refuses is stored as a failure naming the
-reason, and if even that is refused, as a bare failure; a job whose every form is refused is
-given up on (acked, logged) so one bad row never blocks the worker.
+The loop hands outcomes over and goes on pulling and deciding the next jobs while the last
+ones are written, so a batch's SQL round trips overlap the next batch's. Nothing is
+acknowledged before it is stored. A database outage keeps results here (retried with
+backoff), a Redis outage keeps their acks and notices (likewise); a result the database
+refuses is stored as a failure naming the reason, and if even that is refused, as a bare
+failure; a job whose every form is refused is given up on (acked, logged) so one bad row never
+blocks the worker.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
+import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobs.queue import Delivery
+from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobStatus, Outcome
 from jobs.store import DeliveryStore
 from worker.metrics import WorkerMetrics
@@ -27,52 +33,119 @@ log = logging.getLogger(__name__)
 # dies right after storing results and before acknowledging any of them, the narrowest window
 # of at-least-once delivery. Read once; unset in production.
 EXIT_AFTER_COMMIT = os.environ.get("KVBATCH_FAILPOINT") == "exit-after-commit"
+# The writer wakes at least this often (to retry after a backoff) when nothing is added.
+IDLE_WAIT_S = 0.05
 
 
 class ResultWriter:
-    """Finished jobs not yet stored, and how to store them."""
+    """Finished jobs not yet stored and acknowledged, and the thread that stores them.
 
-    def __init__(self, store: DeliveryStore, worker_id: str, outbox: Outbox,
+    :meth:`add` is safe from any thread; :meth:`flush` is one pass of the writer (its thread
+    runs it after :meth:`start`; call it directly only while the thread is not running).
+    """
+
+    def __init__(self, store: DeliveryStore, worker_id: str, queue: JobQueue,
                  metrics: WorkerMetrics) -> None:
         self.store = store
         self.worker_id = worker_id
-        self.outbox = outbox
+        self.outbox = Outbox(queue)  # the acks and notices of stored results
         self.metrics = metrics
-        self.unsaved: list[tuple[Outcome, Delivery | None]] = []
-        self.backoff = Backoff()
+        self.backoff = Backoff()  # the database
+        self.redis_backoff = Backoff()
+        self._unsaved: list[tuple[Outcome, Delivery | None]] = []
+        self._storing = 0  # outcomes of the transaction under way
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="results", daemon=True)
 
     def __len__(self) -> int:
-        return len(self.unsaved)
+        """Outcomes not stored yet."""
+        with self._changed:
+            return len(self._unsaved) + self._storing
+
+    def __bool__(self) -> bool:
+        """Anything owed: outcomes to store, acks or notices to send."""
+        return len(self) > 0 or bool(self.outbox)
 
     def add(self, outcome: Outcome, delivery: Delivery | None) -> None:
-        self.unsaved.append((outcome, delivery))
+        with self._changed:
+            self._unsaved.append((outcome, delivery))
+            self._changed.notify()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End the thread after the pass under way (what is left stays here)."""
+        self._stop.set()
+        with self._changed:
+            self._changed.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._changed:
+                if not self._unsaved and not self.outbox:
+                    self._changed.wait(IDLE_WAIT_S)
+            try:
+                self.flush()
+            except Exception:  # a bug here must not end the thread: results would pile up
+                log.exception("storing results failed; retrying")
+                self.backoff.failed(time.time())
+            if not self.backoff.ready(time.time()) or not self.redis_backoff.ready(time.time()):
+                self._stop.wait(IDLE_WAIT_S)
 
     def flush(self, now: float | None = None) -> None:
-        """Store what waits in one transaction; queue its acks and notices in the outbox."""
+        """Store what waits in one transaction, then send the acks and notices owed."""
         now = time.time() if now is None else now
-        if not self.unsaved or not self.backoff.ready(now):
-            return
-        batch = self.unsaved
+        self._store(now)
+        if self.outbox and self.redis_backoff.ready(now):
+            try:
+                self.outbox.flush()
+                self.redis_backoff.ok()
+            except redis.RedisError as exc:
+                self.redis_backoff.failed(now)
+                log.warning("redis unavailable (%s); %d acks wait", exc, len(self.outbox.acks))
+
+    def _store(self, now: float) -> None:
+        with self._changed:
+            if not self._unsaved or not self.backoff.ready(now):
+                return
+            batch, self._unsaved = self._unsaved, []
+            self._storing = len(batch)
+        newly: set[str] | None = None
         try:
-            newly = self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
-        except SQLAlchemyError as exc:
-            if is_outage(exc):
-                self._outage(now, exc, len(batch))
-                return
-            try:  # maybe one result the database refuses: isolate it
-                newly = self._one_by_one(batch)
-            except SQLAlchemyError as exc2:
-                self._outage(now, exc2, len(batch))
-                return
+            newly = self._finish(batch, now)
+        finally:
+            with self._changed:
+                if newly is None:  # not stored: first in line again
+                    self._unsaved = batch + self._unsaved
+                self._storing = 0
+        if newly is None:
+            return
         if EXIT_AFTER_COMMIT:
             os._exit(137)
         self.backoff.ok()
-        self.unsaved = self.unsaved[len(batch):]
         self.outbox.ack([d.entry_id for _, d in batch if d is not None])
         for outcome, _ in batch:
             if outcome.job_id in newly:
                 self.outbox.notify(outcome.job_id, outcome.status.value)
                 self.metrics.job_finished(outcome.status.value)
+
+    def _finish(self, batch: list[tuple[Outcome, Delivery | None]], now: float) -> set[str] | None:
+        """The ids ``batch`` made terminal; None if the database is unavailable."""
+        try:
+            return self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
+        except SQLAlchemyError as exc:
+            if is_outage(exc):
+                self._outage(now, exc, len(batch))
+                return None
+            try:  # maybe one result the database refuses: isolate it
+                return self._one_by_one(batch)
+            except SQLAlchemyError as exc2:
+                self._outage(now, exc2, len(batch))
+                return None
 
     def _outage(self, now: float, exc: SQLAlchemyError, n: int) -> None:
         self.backoff.failed(now)

@@ -42,7 +42,9 @@ class ProducerStore:
                     n = sum(1 for s in specs if s.batch_id == batch_id)
                     session.execute(update(Batch).where(Batch.id == batch_id)
                                     .values(num_jobs=Batch.num_jobs + n))
-            session.execute(insert(Job), [_job_row(s, now) for s in specs])
+            # A Core insert of the table (executemany, which psycopg pipelines): the ORM's bulk
+            # path costs about a third more per row here.
+            session.execute(insert(Job.__table__), [_job_row(s, now) for s in specs])
 
     def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
                         deadline: datetime | None = None) -> None:
@@ -76,6 +78,7 @@ class ProducerStore:
 
 
 def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
+    """The ``jobs`` row of a new job, by column name."""
     return {
         "id": spec.id,
         "batch_id": spec.batch_id,
@@ -84,7 +87,7 @@ def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
         "status": JobStatus.QUEUED.value,
         "priority": spec.priority,
         "spec": spec.model_dump(mode="json"),
-        "meta": spec.metadata,
+        "metadata": spec.metadata,  # the column (the model's attribute is ``meta``)
         "created_at": created_at,  # the database's clock: the reconciler's grace uses it
         "deadline_at": spec.deadline,
         "attempts": 0,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 import sqlalchemy as sa
+from services import child_pids
 
 from jobs.client import JobClient
 from jobs.constants import Keys
@@ -34,18 +35,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def _running(pid: int) -> bool:
@@ -78,7 +67,7 @@ def test_sigkilled_worker_jobs_finish_on_another(
         time.sleep(0.3)  # mid-generation
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
         assert 'kvbatch_num_requests_running{model_name="tiny"} 6.0' in metrics
-        (engine_pid,) = _children(proc.pid)  # the engine process
+        (engine_pid,) = child_pids(proc.pid)  # the engine process
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         wait_for(lambda: not _running(engine_pid), 10)  # it leaves with its worker
@@ -182,7 +171,7 @@ def test_engine_process_killed_worker_exits_and_jobs_move_on(
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
-        (engine_pid,) = _children(proc.pid)
+        (engine_pid,) = child_pids(proc.pid)
         os.kill(engine_pid, signal.SIGKILL)
         assert proc.wait(20) == 1
     finally:

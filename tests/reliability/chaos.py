@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
-from services import wait_until
+from services import child_pids, wait_until
 
 from jobs.constants import Keys
 
@@ -89,14 +89,8 @@ class WorkerProc:
             self.proc.send_signal(sig)
 
     def rss(self) -> int:
-        """Resident memory in KiB (0 once gone)."""
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
+        """Resident memory in KiB of the worker and its engine process (0 once gone)."""
+        return sum(_rss(pid) for pid in (self.proc.pid, *child_pids(self.proc.pid)))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -170,3 +164,13 @@ def audit(engine: sa.Engine, job_ids: list[str]) -> Audit:
 
 def random_moments(rng: random.Random, n: int, low_s: float, high_s: float) -> list[float]:
     return [rng.uniform(low_s, high_s) for _ in range(n)]
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
