@@ -233,7 +233,7 @@ class JobClient:
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
         follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
-        return self._drive(follower, follower.take)
+        yield from self._drive(follower, follower.take)
 
     def _drive(self, follower: Follower, take: Callable[[], Iterable[T]]) -> Iterator[T]:
         """Yield what ``take`` finds until ``follower`` has nothing pending, woken by the done
@@ -242,7 +242,7 @@ class JobClient:
         pubsub.subscribe(self.done_channel)  # before the first read of SQL
         try:
             while True:
-                yield from follower.take()
+                yield from take()
                 if not follower.pending:
                     return
                 if follower.expired():

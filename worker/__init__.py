@@ -1,1 +1,1 @@
-"""The kvbatch worker: Redis stream → engine thread → SQL, with leases and metrics."""
+"""The kvbatch worker: Redis stream → engine process → SQL, with leases and metrics."""

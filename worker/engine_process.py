@@ -186,7 +186,11 @@ class EngineProcess:
         if not hello or hello[0]["t"] != "ready":
             error = hello[0]["error"] if hello else f"exited with code {self.process.wait()}"
             self._sock.close()
-            self.process.wait(EXIT_WAIT_S)
+            try:
+                self.process.wait(EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
             raise EngineStartError(f"the engine process could not start: {error}")
         self._has_chat_template: bool = hello[0]["has_chat_template"]
         self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
@@ -218,6 +222,8 @@ class EngineProcess:
             log.warning("engine process %d did not exit; killing it", self.process.pid)
             self.process.kill()
             self.process.wait()
+        if self._reader.is_alive():
+            self._reader.join(EXIT_WAIT_S)  # it ends at the socket's end of file
         self._sock.close()
 
     def _send(self, message: dict[str, Any]) -> bool:
@@ -240,7 +246,7 @@ class EngineProcess:
                     self.events.put(event)
                     if isinstance(event, Crashed):
                         return
-        except OSError:
+        except (OSError, ValueError):
             pass  # the socket closed under us: the process is gone or being stopped
         except Exception:  # a message this side cannot read: a bug, handled as a crash
             log.exception("unreadable message from the engine process")
@@ -260,6 +266,7 @@ def child_main(fd: int) -> int:
     # Signals are the parent's business: it drains, then tells this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.set_inheritable(fd, False)  # a process the engine starts must not keep it open
     sock = socket.socket(fileno=fd)
     frames = Frames(sock)
     first = frames.read(None)
@@ -274,15 +281,6 @@ def child_main(fd: int) -> int:
     sock.sendall(frame({"t": "ready", "has_chat_template": engine.has_chat_template}))
     stop, crashed = threading.Event(), threading.Event()
 
-    def take(block: bool) -> list[Command]:
-        messages = frames.read(IDLE_WAIT_S if block else 0.0)
-        if messages is None:  # the parent is gone
-            stop.set()
-            return []
-        if any(m["t"] == "stop" for m in messages):
-            stop.set()
-        return [decode_command(m) for m in messages if m["t"] in ("add", "abort")]
-
     def emit(event: Event) -> None:
         if isinstance(event, Crashed):
             crashed.set()
@@ -290,6 +288,22 @@ def child_main(fd: int) -> int:
             sock.sendall(frame(encode_event(event, engine.token_bytes)))
         except OSError:  # the parent is gone
             stop.set()
+
+    def take(block: bool) -> list[Command]:
+        messages = frames.read(IDLE_WAIT_S if block else 0.0)
+        if messages is None:  # the parent is gone
+            stop.set()
+            return []
+        commands = []
+        for m in messages:
+            if m["t"] == "stop":
+                stop.set()
+                continue
+            try:
+                commands.append(decode_command(m))
+            except Exception as exc:  # checked at submission; a mismatch fails that job alone
+                emit(Rejected(m.get("id", ""), f"{type(exc).__name__}: {exc}"))
+        return commands
 
     serve(engine, take, emit, stop.is_set)
     return 1 if crashed.is_set() else 0

@@ -182,7 +182,7 @@ class Worker:
         return bool(self.held or self.intake or self.results or self.outbox)
 
     def _close(self) -> None:
-        self.results.stop()
+        self.results.last_flush()  # acks still owed (Redis was down) get one more try
         self.reconciler.stop()
         self.heartbeat.stop()
         self.engine.stop()
@@ -343,10 +343,7 @@ class Worker:
         their stream entries now."""
         if not count_attempt:
             self._collect(wait_s=0)
-        self.results.stop()  # its last pass done, the rest is flushed here
-        self.results.backoff.ok()
-        self.results.redis_backoff.ok()
-        self.results.flush()
+        self.results.last_flush()
         self._redis_backoff.ok()
         self._redis_io(time.time(), lambda _now: self.outbox.flush())
         ids = list(self.held)

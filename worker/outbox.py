@@ -30,16 +30,20 @@ class Outbox:
         self.done.append((job_id, status))
 
     def flush(self) -> None:
-        """Send everything; raises ``redis.RedisError`` with the unsent part still queued."""
-        if self.dead:
-            dead = self.dead
-            self.queue.dead_letter([d for d, _ in dead], [r for _, r in dead])
-            self.dead = self.dead[len(dead):]
-        if self.acks:
-            acks = self.acks
-            self.queue.ack(acks)
-            self.acks = self.acks[len(acks):]
-        if self.done:
-            done = self.done
-            self.queue.publish_done(done)
-            self.done = self.done[len(done):]
+        """Send everything; raises ``redis.RedisError`` with the unsent part still queued
+        (first in line again)."""
+        dead, self.dead = self.dead, []
+        acks, self.acks = self.acks, []
+        done, self.done = self.done, []
+        try:
+            if dead:
+                self.queue.dead_letter([d for d, _ in dead], [r for _, r in dead])
+                dead = []
+            if acks:
+                self.queue.ack(acks)
+                acks = []
+            if done:
+                self.queue.publish_done(done)
+                done = []
+        finally:
+            self.dead, self.acks, self.done = dead + self.dead, acks + self.acks, done + self.done

@@ -65,7 +65,8 @@ class ResultWriter:
 
     def __bool__(self) -> bool:
         """Anything owed: outcomes to store, acks or notices to send."""
-        return len(self) > 0 or bool(self.outbox)
+        with self._changed:
+            return bool(self._unsaved or self._storing or self.outbox)
 
     def add(self, outcome: Outcome, delivery: Delivery | None) -> None:
         with self._changed:
@@ -75,13 +76,25 @@ class ResultWriter:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """End the thread after the pass under way (what is left stays here)."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """End the thread after the pass under way (what is left stays here); False if it is
+        still in that pass after ``timeout_s`` (then leave :meth:`flush` to it)."""
         self._stop.set()
         with self._changed:
             self._changed.notify()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def last_flush(self) -> None:
+        """Stop the thread, then try once more, backoffs or not, to store what is left and
+        send what is owed (a stopping worker's last chance)."""
+        if not self.stop():
+            log.warning("the result writer is still busy; its results stay unacked")
+            return
+        self.backoff.ok()
+        self.redis_backoff.ok()
+        self.flush()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -117,37 +130,37 @@ class ResultWriter:
         newly: set[str] | None = None
         try:
             newly = self._finish(batch, now)
+            if newly is not None and EXIT_AFTER_COMMIT:
+                os._exit(137)
         finally:
-            with self._changed:
+            with self._changed:  # owed as acks before it stops being owed as outcomes
                 if newly is None:  # not stored: first in line again
                     self._unsaved = batch + self._unsaved
+                else:
+                    self.outbox.ack([d.entry_id for _, d in batch if d is not None])
+                    for outcome, _ in batch:
+                        if outcome.job_id in newly:
+                            self.outbox.notify(outcome.job_id, outcome.status.value)
+                            self.metrics.job_finished(outcome.status.value)
                 self._storing = 0
-        if newly is None:
-            return
-        if EXIT_AFTER_COMMIT:
-            os._exit(137)
-        self.backoff.ok()
-        self.outbox.ack([d.entry_id for _, d in batch if d is not None])
-        for outcome, _ in batch:
-            if outcome.job_id in newly:
-                self.outbox.notify(outcome.job_id, outcome.status.value)
-                self.metrics.job_finished(outcome.status.value)
+        if newly is not None:
+            self.backoff.ok()
 
     def _finish(self, batch: list[tuple[Outcome, Delivery | None]], now: float) -> set[str] | None:
         """The ids ``batch`` made terminal; None if the database is unavailable."""
         try:
             return self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
-        except SQLAlchemyError as exc:
-            if is_outage(exc):
+        except Exception as exc:  # whatever it is, one result must not block all
+            if _is_outage(exc):
                 self._outage(now, exc, len(batch))
                 return None
-            try:  # maybe one result the database refuses: isolate it
+            try:  # maybe one result the database refuses (or cannot be written): isolate it
                 return self._one_by_one(batch)
             except SQLAlchemyError as exc2:
                 self._outage(now, exc2, len(batch))
                 return None
 
-    def _outage(self, now: float, exc: SQLAlchemyError, n: int) -> None:
+    def _outage(self, now: float, exc: Exception, n: int) -> None:
         self.backoff.failed(now)
         log.warning("database unavailable (%s); %d results wait, unacked", short_error(exc), n)
 
@@ -161,8 +174,8 @@ class ResultWriter:
             try:
                 newly |= self._store_one(outcome, self.worker_id)
                 continue
-            except SQLAlchemyError as exc:
-                if is_outage(exc):
+            except Exception as exc:  # a result that cannot be written fails alone
+                if _is_outage(exc):
                     raise
                 reason = short_error(exc)
             log.error("job %s: the database refused its result: %s", outcome.job_id, reason)
@@ -175,8 +188,8 @@ class ResultWriter:
                 try:
                     newly |= self._store_one(fallback, worker_id)
                     break
-                except SQLAlchemyError as exc:
-                    if is_outage(exc):
+                except Exception as exc:
+                    if _is_outage(exc):
                         raise
                     log.error("job %s: the database refused a fallback too: %s",
                               outcome.job_id, short_error(exc))
@@ -187,3 +200,7 @@ class ResultWriter:
 
     def _store_one(self, outcome: Outcome, worker_id: str | None) -> set[str]:
         return self.store.finish([outcome], worker_id=worker_id)
+
+
+def _is_outage(exc: Exception) -> bool:
+    return isinstance(exc, SQLAlchemyError) and is_outage(exc)

@@ -149,8 +149,8 @@ def test_a_killed_child_is_a_crash(tiny_model: str) -> None:
     proc = EngineProcess(_config(tiny_model))
     proc.start()
     os.kill(proc.process.pid, signal.SIGKILL)
-    (event,) = _events_until(proc, lambda evs: bool(evs), timeout_s=10)
-    assert event == Crashed("the engine process exited with code -9")
+    events = _events_until(proc, lambda evs: any(isinstance(e, Crashed) for e in evs), 10)
+    assert events[-1] == Crashed("the engine process exited with code -9")
     proc.stop()
 
 
@@ -167,3 +167,20 @@ def test_child_ignores_signals_and_leaves_with_its_parent(tiny_model: str) -> No
     assert not any(isinstance(e, Crashed) for e in events)
     proc._sock.close()  # what the worker's death does to the child's socket
     assert proc.process.wait(10) == 0
+
+
+def test_a_command_the_child_cannot_read_fails_that_job_alone(tiny_model: str) -> None:
+    proc = EngineProcess(_config(tiny_model))
+    proc.start()
+    try:  # as from a worker of another version: a sampling field this engine does not know
+        proc._sock.sendall(frame({"t": "add", "id": "odd", "prompt": "p", "priority": 0,
+                                  "params": {"max_tokens": 2, "beam_width": 4}}))
+        proc.commands.put(Add("fine", "p", SamplingParams(max_tokens=2), 0))
+        events = _events_until(proc, lambda evs: any(
+            isinstance(e, Stepped) and e.finished for e in evs))
+        (rejected,) = [e for e in events if isinstance(e, Rejected)]
+        assert rejected.job_id == "odd" and "beam_width" in rejected.error
+        assert [o.request_id for e in events if isinstance(e, Stepped) for o in e.finished] == [
+            "fine"]
+    finally:
+        proc.stop()

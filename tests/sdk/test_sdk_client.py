@@ -183,3 +183,50 @@ def test_thousands_of_async_waiters_share_one_subscription(services) -> None:  #
             plain.close()
 
     asyncio.run(main())
+
+
+def test_batch_waits_read_statuses_not_results(services, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``BatchHandle.wait`` (sync and async) learns that jobs ended from ids and statuses:
+    waiting on a million-row batch must not read a million results."""
+    import threading
+
+    from jobs.queue import publish_done
+    from jobs.schemas import JobResult, Outcome
+    from jobs.store import DeliveryStore, JobReader
+
+    def no_rows(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a wait read result rows")
+
+    def finish_later(client: Client, ids: list[str]) -> threading.Thread:
+        """What a worker does, a little later: store the outcomes, then announce them."""
+        def run() -> None:
+            time.sleep(0.3)
+            store = DeliveryStore(client.jobs.engine)
+            store.begin_deliveries(ids, "w", 3, time.time())
+            store.finish([Outcome(i, JobStatus.SUCCEEDED, time.time(), result=JobResult(text=i))
+                          for i in ids])
+            publish_done(client.jobs.redis, client.jobs.keys, [(i, "succeeded") for i in ids])
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    rows = [{"custom_id": f"r{i}", "raw_prompt": f"p{i}"} for i in range(50)]
+    with Client(model=MODEL, **services) as client:
+        batch = client.submit_batch(rows, batch_id="sync-wait")
+        done = finish_later(client, list(batch.job_ids.values()))
+        with monkeypatch.context() as patch:
+            patch.setattr(JobReader, "get_many", no_rows)
+            assert batch.wait(timeout_s=30).succeeded == 50
+        done.join()
+        async_batch = client.submit_batch(rows, batch_id="async-wait")
+        done = finish_later(client, list(async_batch.job_ids.values()))
+
+    async def main() -> None:
+        async with AsyncClient(model=MODEL, **services) as aclient:
+            handle = await aclient.batch("async-wait")
+            with monkeypatch.context() as patch:
+                patch.setattr(JobReader, "get_many", no_rows)
+                assert (await handle.wait(timeout_s=30)).succeeded == 50
+
+    asyncio.run(main())
+    done.join()
