@@ -4,11 +4,12 @@ terminal status with their ``job_metrics`` row."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Update, bindparam, func, insert, or_, select, update
+from sqlalchemy import TextClause, Update, bindparam, func, insert, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from jobs.models import Job, JobMetrics
@@ -55,24 +56,27 @@ def terminalize_many(session: Session, outcomes: Sequence[Outcome],
     statement compiled once per column set, its values bound), then their metrics rows in one
     INSERT. Returns the ids that became terminal now.
 
-    On PostgreSQL the active jobs among them are locked first (``SELECT … FOR UPDATE``): no
-    other transaction can end them before this one commits, so their UPDATEs go in one
-    executemany per column set (psycopg pipelines it: one round trip, not one a job). SQLite
-    has no row locks: each UPDATE there reports whether it ended its job."""
+    On PostgreSQL each column set is one ``UPDATE … FROM unnest(<arrays>) … RETURNING id``: a
+    round trip and a statement whatever the number of jobs, and the rows it returns are the
+    jobs it ended (the status guard is re-checked on any row another transaction held). SQLite
+    has no arrays: each UPDATE there reports whether it ended its job."""
     if session.get_bind().dialect.name == "postgresql":
-        ids = {o.job_id for o in outcomes}
-        active = set(session.scalars(select(Job.id).where(
-            Job.id.in_(ids), Job.status.in_(ACTIVE)).with_for_update()))
-        done = {}
+        first: dict[str, Outcome] = {}
         for o in outcomes:
-            if o.job_id in active and o.job_id not in done:
-                done[o.job_id] = o
-        groups: dict[frozenset[str], list[dict[str, Any]]] = {}
-        for job_id, o in done.items():
+            first.setdefault(o.job_id, o)
+        groups: dict[frozenset[str], list[tuple[str, dict[str, Any]]]] = {}
+        for job_id, o in first.items():
             values = _terminal_values(o, worker_id, attempts)
-            groups.setdefault(frozenset(values), []).append({"job_id_": job_id, **values})
-        for columns, params in groups.items():
-            session.execute(_terminal_update(columns), params)
+            groups.setdefault(frozenset(values), []).append((job_id, values))
+        ended: set[str] = set()
+        for columns, rows in groups.items():
+            arrays = {"ids": [job_id for job_id, _ in rows]}
+            for name in columns:
+                column = [values[name] for _, values in rows]
+                arrays[name] = ([json.dumps(v) for v in column] if name in _JSON_COLUMNS
+                                else column)
+            ended.update(session.scalars(_unnest_update(columns), arrays))
+        done = {job_id: o for job_id, o in first.items() if job_id in ended}
     else:
         done = {}
         for o in outcomes:
@@ -110,6 +114,27 @@ def _terminal_values(outcome: Outcome, worker_id: str | None,
             choices=[c.model_dump(mode="json") for c in result.choices] or None,
         )
     return values
+
+
+# How the ids and each terminal column travel as arrays (JSON as text, cast back in the SQL).
+_PG_ARRAY_TYPES = {"ids": "text", "status": "text", "finished_at": "timestamptz", "error": "text",
+                   "worker_id": "text", "attempts": "integer", "text": "text",
+                   "token_ids": "text", "finish_reason": "text", "logprobs": "text",
+                   "choices": "text"}
+_JSON_COLUMNS = frozenset({"token_ids", "logprobs", "choices"})
+
+
+@functools.cache
+def _unnest_update(columns: frozenset[str]) -> TextClause:
+    """PostgreSQL: end every active job named in ``:ids`` with its values, one array per
+    column; returns the ids it ended."""
+    names = sorted(columns)
+    arrays = ", ".join(f"CAST(:{n} AS {_PG_ARRAY_TYPES[n]}[])" for n in ["ids", *names])
+    sets = ", ".join(f"{n} = v.{n}::json" if n in _JSON_COLUMNS else f"{n} = v.{n}"
+                     for n in names)
+    active = ", ".join(f"'{status}'" for status in ACTIVE)
+    return text(f"UPDATE jobs SET {sets} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
+                f"WHERE jobs.id = v.id AND jobs.status IN ({active}) RETURNING jobs.id")
 
 
 @functools.cache

@@ -76,6 +76,49 @@ def test_exactly_one_terminal_transition(sql_engine: sa.Engine) -> None:
     assert [tuple(r) for r in rows] == [(spec.id, "succeeded", 0.5)]
 
 
+def test_many_outcomes_in_one_batch_each_stored_once(sql_engine: sa.Engine) -> None:
+    """A worker's batch of outcomes of every shape (results with logprobs and choices,
+    failures, a job already ended, one named twice) in one ``finish``: each job ends once,
+    with exactly its own values."""
+    from jobs.schemas import Choice, TokenLogprob, TopLogprob
+
+    store = SQL(sql_engine)
+    specs = [_spec(i) for i in range(5)]
+    store.insert_jobs(specs)
+    ids = [s.id for s in specs]
+    store.begin_deliveries(ids, "w1", 3, time.time())
+    top = TopLogprob(token="h\u00e9", token_id=7, logprob=-0.25, bytes=[104, 195, 169])
+    rich = JobResult(text="h\u00e9 \u2603", token_ids=[7, 8], finish_reason="stop",
+                     logprobs=[TokenLogprob(**top.model_dump(), top_logprobs=[top])],
+                     choices=[Choice(index=0, text="a", token_ids=[1], finish_reason="stop"),
+                              Choice(index=1, text="b", token_ids=[2], finish_reason="length")])
+    assert store.finish([Outcome(ids[4], JobStatus.FAILED, time.time(), error="earlier")],
+                        worker_id="w0") == {ids[4]}
+    now = time.time()
+    outcomes = [
+        Outcome(ids[0], JobStatus.SUCCEEDED, now, result=rich, stats=JobStats(prompt_tokens=3)),
+        Outcome(ids[1], JobStatus.SUCCEEDED, now, result=JobResult(text="", token_ids=[]),
+                stats=JobStats()),
+        Outcome(ids[2], JobStatus.FAILED, now, error="bad \u2603 input"),
+        Outcome(ids[2], JobStatus.SUCCEEDED, now, result=JobResult(text="second copy")),
+        Outcome(ids[3], JobStatus.CANCELLED, now, error="cancelled"),
+        Outcome(ids[4], JobStatus.SUCCEEDED, now, result=JobResult(text="too late")),
+    ]
+    assert store.finish(outcomes, worker_id="w1") == set(ids[:4])
+    infos = {i.id: i for i in store.get_many(ids)}
+    assert infos[ids[0]].result == rich.model_copy(update={"usage": infos[ids[0]].result.usage})
+    assert infos[ids[0]].stats.prompt_tokens == 3 and infos[ids[0]].worker_id == "w1"
+    assert (infos[ids[1]].status, infos[ids[1]].result.text) == (JobStatus.SUCCEEDED, "")
+    assert (infos[ids[2]].status, infos[ids[2]].error) == (JobStatus.FAILED, "bad \u2603 input")
+    assert infos[ids[3]].status is JobStatus.CANCELLED
+    assert (infos[ids[4]].status, infos[ids[4]].error, infos[ids[4]].worker_id) == (
+        JobStatus.FAILED, "earlier", "w0")
+    with sql_engine.connect() as conn:
+        per_job = dict(conn.execute(sa.text(
+            "SELECT job_id, count(*) FROM job_metrics GROUP BY job_id")).all())
+    assert per_job == dict.fromkeys(ids, 1)
+
+
 def test_cancel_deadline_release_and_batches(sql_engine: sa.Engine) -> None:
     store = SQL(sql_engine)
     now = time.time()
