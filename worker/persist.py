@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 # dies right after storing results and before acknowledging any of them, the narrowest window
 # of at-least-once delivery. Read once; unset in production.
 EXIT_AFTER_COMMIT = os.environ.get("KVBATCH_FAILPOINT") == "exit-after-commit"
-# The writer wakes at least this often (to retry after a backoff) when nothing is added.
-IDLE_WAIT_S = 0.05
+# While the database or Redis is backing off, the writer looks again this often.
+RETRY_WAIT_S = 0.05
 
 
 class ResultWriter:
@@ -98,16 +98,17 @@ class ResultWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with self._changed:
-                if not self._unsaved and not self.outbox:
-                    self._changed.wait(IDLE_WAIT_S)
+            with self._changed:  # idle: sleep until add() or stop() (no timer waking it)
+                if not self._unsaved and not self.outbox and not self._stop.is_set():
+                    self._changed.wait()
+                    continue
             try:
                 self.flush()
             except Exception:  # a bug here must not end the thread: results would pile up
                 log.exception("storing results failed; retrying")
                 self.backoff.failed(time.time())
             if not self.backoff.ready(time.time()) or not self.redis_backoff.ready(time.time()):
-                self._stop.wait(IDLE_WAIT_S)
+                self._stop.wait(RETRY_WAIT_S)
 
     def flush(self, now: float | None = None) -> None:
         """Store what waits in one transaction, then send the acks and notices owed."""

@@ -83,7 +83,8 @@ class WorkerSettings(ConnectionSettings):
                                                                 "stream are compared")
     reconcile_grace_s: float = Field(10.0, ge=0, description="reconciler leaves younger "
                                                              "jobs alone")
-    poll_interval_ms: int = Field(20, ge=1, description="wait for engine outputs per pass")
+    poll_interval_ms: int = Field(100, ge=1, description="longest wait for engine outputs "
+                                  "per pass (a step's outputs end it at once)")
     engine_process: bool = Field(True, description="run the engine in a child process "
                                  "(--no-engine-process: on a thread of the worker process, "
                                  "where the loop's Python slows its steps)")
