@@ -200,9 +200,11 @@ class Worker:
         self._redis_io(now, self._pull_pass)
         self._decide(now)
         self._expire_overdue(now)
-        waiting = self.held or self.results  # on the engine or the writer: no busy loop
-        if not self._collect(wait_s=self.settings.poll_interval_ms / 1000 if waiting else 0):
+        poll_s = self.settings.poll_interval_ms / 1000
+        if not self._collect(wait_s=poll_s if self.held else 0):
             return False
+        if not self.held and self.results and not self.free_capacity():
+            self.results.wait_stored(poll_s)  # the pull waits on the writer: no busy loop
         self._redis_io(time.time(), lambda _now: self.outbox.flush())
         return True
 

@@ -71,17 +71,24 @@ class ResultWriter:
     def add(self, outcome: Outcome, delivery: Delivery | None) -> None:
         with self._changed:
             self._unsaved.append((outcome, delivery))
-            self._changed.notify()
+            self._changed.notify_all()
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_stored(self, timeout_s: float) -> None:
+        """Block until the writer ends a transaction, or ``timeout_s``: for a loop whose
+        capacity is held by results being stored."""
+        with self._changed:
+            if self._unsaved or self._storing:
+                self._changed.wait(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """End the thread after the pass under way (what is left stays here); False if it is
         still in that pass after ``timeout_s`` (then leave :meth:`flush` to it)."""
         self._stop.set()
         with self._changed:
-            self._changed.notify()
+            self._changed.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         return not self._thread.is_alive()
@@ -144,6 +151,7 @@ class ResultWriter:
                             self.outbox.notify(outcome.job_id, outcome.status.value)
                             self.metrics.job_finished(outcome.status.value)
                 self._storing = 0
+                self._changed.notify_all()  # wait_stored()
         if newly is not None:
             self.backoff.ok()
 
