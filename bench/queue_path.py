@@ -90,8 +90,7 @@ class NullEngine:
         return bool(self._running or self._waiting or self._aborted)
 
     def step(self) -> list:  # list[RequestOutput]
-        from engine.outputs import CompletionOutput, RequestOutput
-        from engine.sequence import RequestMetrics
+        from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
         outputs = []
         now = time.monotonic()

@@ -14,9 +14,9 @@ if TYPE_CHECKING:  # the names, for type checkers and readers
     from engine.llm_engine import LLMEngine as LLMEngine
     from engine.outputs import CompletionOutput as CompletionOutput
     from engine.outputs import EngineStats as EngineStats
+    from engine.outputs import RequestMetrics as RequestMetrics
     from engine.outputs import RequestOutput as RequestOutput
     from engine.sampling_params import SamplingParams as SamplingParams
-    from engine.sequence import RequestMetrics as RequestMetrics
 
 _EXPORTS = {
     "CompletionOutput": "engine.outputs",

@@ -17,12 +17,12 @@ from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from engine.processor import Processor, Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import RequestMetrics, Sequence
+from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
 from kernels import get_ops, resolve_backend
 

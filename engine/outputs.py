@@ -1,10 +1,25 @@
-"""What the engine returns: per-request outputs and engine-wide statistics."""
+"""What the engine returns: per-request outputs, their metrics and engine-wide statistics
+(torch-free: the worker process reads them without loading torch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sequence import RequestMetrics
+
+@dataclass
+class RequestMetrics:
+    """Timing (``time.monotonic()`` seconds) and memory figures of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    peak_kv_blocks: int = 0
+    peak_kv_bytes: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass

@@ -7,10 +7,10 @@ from collections.abc import Sequence as Seq
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.runtime import RuntimeInfo
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestMetrics, Sequence
+from engine.sequence import Sequence
 
 Prompt = str | list[int] | list[dict[str, str]]
 # Tokens decoded past the longest stop string when looking for it in new output.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -21,22 +22,6 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestMetrics:
-    """Timing (``time.monotonic()`` seconds) and memory figures of one request."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-    peak_kv_blocks: int = 0
-    peak_kv_bytes: int = 0
-    num_preemptions: int = 0
 
 
 @dataclass(eq=False)

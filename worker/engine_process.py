@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestMetrics
 from worker.engine_thread import (
     IDLE_WAIT_S,
     Abort,

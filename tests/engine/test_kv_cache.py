@@ -8,8 +8,9 @@ import pytest
 
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager, hash_block
+from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestMetrics, Sequence
+from engine.sequence import Sequence
 
 BS = 16
 

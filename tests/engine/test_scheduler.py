@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.outputs import RequestMetrics
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import RequestMetrics, Sequence
+from engine.sequence import Sequence
 
 BS = 16
 NEXT_TOKEN = 7

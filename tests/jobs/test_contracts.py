@@ -71,8 +71,7 @@ def test_stats_row_reaches_sql_and_back_field_for_field(sql_engine: sa.Engine) -
 def test_worker_reports_every_stats_field() -> None:
     """The engine's measurements fill every JobStats field: one added to JobStats without a
     source in ``engine_outcome`` fails here."""
-    from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sequence import RequestMetrics
+    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from worker.outcome import engine_outcome
 
     metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5,

@@ -13,9 +13,8 @@ import time
 import pytest
 
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.sequence import RequestMetrics
 from worker.engine_process import (
     EngineProcess,
     EngineStartError,
@@ -184,3 +183,18 @@ def test_a_command_the_child_cannot_read_fails_that_job_alone(tiny_model: str) -
             "fine"]
     finally:
         proc.stop()
+
+
+def test_the_worker_side_does_not_load_torch() -> None:
+    """The worker process holds Redis, SQL and the loop; torch (hundreds of MB resident) is
+    the engine process's alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, worker.cli, worker.loop, worker.main, worker.engine_process; "
+            "from worker.settings import worker_settings; worker_settings(); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]"
