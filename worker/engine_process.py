@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import queue
-import select
+import selectors
 import signal
 import socket
 import struct
@@ -71,13 +71,14 @@ class Frames:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._buffer = bytearray()
+        self._ready = selectors.DefaultSelector()  # not select(): fds past 1024 are fine
+        self._ready.register(sock, selectors.EVENT_READ)
 
     def read(self, timeout_s: float | None) -> list[dict[str, Any]] | None:
         """Wait up to ``timeout_s`` (None: until a message) for messages; None once the other
         side has closed."""
         while True:
-            ready, _, _ = select.select([self.sock], [], [], timeout_s)
-            if ready:
+            if self._ready.select(timeout_s):
                 try:
                     chunk = self.sock.recv(READ_CHUNK)
                 except ConnectionResetError:  # closed with our messages unread

@@ -30,6 +30,7 @@ from jobs.settings import ENV_PREFIX, ConnectionSettings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # worker processes' logs
 
+
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 

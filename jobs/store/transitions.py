@@ -9,8 +9,22 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import TextClause, Update, bindparam, func, insert, or_, select, text, update
+from sqlalchemy import (
+    JSON,
+    String,
+    TextClause,
+    Update,
+    bindparam,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
+from sqlalchemy.types import TypeEngine
 
 from jobs.models import Job, JobMetrics
 from jobs.schemas import ACTIVE_STATUSES, JobStats, JobStatus, Outcome
@@ -52,14 +66,14 @@ def terminalize(session: Session, outcome: Outcome, worker_id: str | None = None
 
 def terminalize_many(session: Session, outcomes: Sequence[Outcome],
                      worker_id: str | None = None, attempts: int | None = None) -> set[str]:
-    """:func:`terminalize` for many outcomes in one transaction: a guarded UPDATE each (a
-    statement compiled once per column set, its values bound), then their metrics rows in one
-    INSERT. Returns the ids that became terminal now.
+    """:func:`terminalize` for many outcomes in one transaction: guarded UPDATEs (statements
+    built once per column set, values bound), then their metrics rows in one INSERT. Returns
+    the ids that became terminal now.
 
     On PostgreSQL each column set is one ``UPDATE … FROM unnest(<arrays>) … RETURNING id``: a
     round trip and a statement whatever the number of jobs, and the rows it returns are the
     jobs it ended (the status guard is re-checked on any row another transaction held). SQLite
-    has no arrays: each UPDATE there reports whether it ended its job."""
+    has no arrays: an UPDATE per job there reports whether it ended its job."""
     if session.get_bind().dialect.name == "postgresql":
         first: dict[str, Outcome] = {}
         for o in outcomes:
@@ -73,8 +87,7 @@ def terminalize_many(session: Session, outcomes: Sequence[Outcome],
             arrays = {"ids": [job_id for job_id, _ in rows]}
             for name in columns:
                 column = [values[name] for _, values in rows]
-                arrays[name] = ([json.dumps(v) for v in column] if name in _JSON_COLUMNS
-                                else column)
+                arrays[name] = [json.dumps(v) for v in column] if _is_json(name) else column
             ended.update(session.scalars(_unnest_update(columns), arrays))
         done = {job_id: o for job_id, o in first.items() if job_id in ended}
     else:
@@ -116,25 +129,31 @@ def _terminal_values(outcome: Outcome, worker_id: str | None,
     return values
 
 
-# How the ids and each terminal column travel as arrays (JSON as text, cast back in the SQL).
-_PG_ARRAY_TYPES = {"ids": "text", "status": "text", "finished_at": "timestamptz", "error": "text",
-                   "worker_id": "text", "attempts": "integer", "text": "text",
-                   "token_ids": "text", "finish_reason": "text", "logprobs": "text",
-                   "choices": "text"}
-_JSON_COLUMNS = frozenset({"token_ids", "logprobs", "choices"})
-
-
 @functools.cache
 def _unnest_update(columns: frozenset[str]) -> TextClause:
     """PostgreSQL: end every active job named in ``:ids`` with its values, one array per
     column; returns the ids it ended."""
-    names = sorted(columns)
-    arrays = ", ".join(f"CAST(:{n} AS {_PG_ARRAY_TYPES[n]}[])" for n in ["ids", *names])
-    sets = ", ".join(f"{n} = v.{n}::json" if n in _JSON_COLUMNS else f"{n} = v.{n}"
-                     for n in names)
+    table, names = Job.__table__, sorted(columns)
+    arrays = ", ".join(f"CAST(:{n} AS {_array_element(table.c[c].type)}[])"
+                       for n, c in [("ids", "id")] + [(n, n) for n in names])
+    sets = ", ".join(f"{n} = v.{n}::json" if _is_json(n) else f"{n} = v.{n}" for n in names)
     active = ", ".join(f"'{status}'" for status in ACTIVE)
-    return text(f"UPDATE jobs SET {sets} FROM unnest({arrays}) AS v(id, {', '.join(names)}) "
-                f"WHERE jobs.id = v.id AND jobs.status IN ({active}) RETURNING jobs.id")
+    return text(f"UPDATE {table.name} SET {sets} FROM unnest({arrays}) "
+                f"AS v(id, {', '.join(names)}) WHERE {table.name}.id = v.id "
+                f"AND {table.name}.status IN ({active}) RETURNING {table.name}.id")
+
+
+def _array_element(column_type: TypeEngine[Any]) -> str:
+    """The type a column's values travel in: text for strings (a cast to ``varchar(n)`` would
+    cut a long value where the column refuses it) and JSON (cast back in the statement), the
+    column's own type otherwise."""
+    if isinstance(column_type, String | JSON):
+        return "text"
+    return column_type.compile(dialect=postgresql.dialect())
+
+
+def _is_json(column: str) -> bool:
+    return isinstance(Job.__table__.c[column].type, JSON)
 
 
 @functools.cache
