@@ -22,7 +22,7 @@ from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_RED
 from jobs.db import as_engine, require_database
 from jobs.follow import Follower
 from jobs.limits import JobLimits
-from jobs.queue import JobQueue, publish_done, signal_cancel
+from jobs.queue import JobQueue, live_workers, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
 from jobs.stats import Stats, aggregate
 from jobs.store import JobReader, ProducerStore
@@ -78,11 +78,14 @@ class JobClient:
         """
         for spec in specs:
             self.check(spec)  # before anything is stored
-        self._store(specs)
+        self.store(specs)
         return [s.id for s in specs]
 
-    def _store(self, specs: Sequence[JobSpec], **batch: Any) -> None:
-        self.producer.insert_jobs(specs, **batch)
+    def store(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
+              deadline: datetime | None = None) -> None:
+        """Insert checked ``specs`` (one transaction), then add them to their streams; a new
+        batch row takes ``webhook_url`` and ``deadline``. Callers check first (:meth:`check`)."""
+        self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline)
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)
@@ -141,8 +144,8 @@ class JobClient:
                 continue
             new.append(spec)
         for start in range(0, len(new), chunk_size):
-            self._store(new[start:start + chunk_size], webhook_url=webhook_url,
-                        deadline=deadline)
+            self.store(new[start:start + chunk_size], webhook_url=webhook_url,
+                       deadline=deadline)
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
 
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
@@ -166,6 +169,11 @@ class JobClient:
         """(id, custom_id, status) of every job of ``batch_id``."""
         return self.reader.batch_jobs(batch_id)
 
+    def batch_page(self, batch_id: str, *, succeeded: bool, after: str = "",
+                   limit: int = 500) -> list[JobInfo]:
+        """A page of a batch's terminal jobs, in id order (see ``JobReader.batch_page``)."""
+        return self.reader.batch_page(batch_id, succeeded=succeeded, after=after, limit=limit)
+
     def count_by_status(self, batch_id: str | None = None) -> dict[JobStatus, int]:
         """How many jobs (of ``batch_id``) are in each status; statuses without jobs are
         absent."""
@@ -183,9 +191,13 @@ class JobClient:
 
     def serves(self, model: str) -> bool:
         """Whether a live worker serves ``model``."""
+        return model in self.served_models()
+
+    def served_models(self) -> set[str]:
+        """The models live workers serve."""
         models = self.redis.hgetall(self.keys.workers())  # worker id -> model
-        live = JobQueue(self.redis, model, self.keys).live_workers()
-        return any(models.get(w) == model for w in live)
+        live = live_workers(self.redis, self.keys)
+        return {models[w] for w in live if w in models}
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:
@@ -206,6 +218,16 @@ class JobClient:
         elif status is JobStatus.CANCELLED:
             publish_done(self.redis, self.keys, [(job_id, status.value)])
         return status
+
+    def cancel_batch(self, batch_id: str) -> int:
+        """Cancel every unfinished job of ``batch_id``: queued ones at once, running ones by
+        their workers. Returns how many were cancelled or asked to stop."""
+        cancelled, running = self.producer.cancel_batch(batch_id, time.time())
+        for job_id in running:
+            signal_cancel(self.redis, self.keys, job_id)
+        publish_done(self.redis, self.keys,
+                     [(job_id, JobStatus.CANCELLED.value) for job_id in cancelled])
+        return len(cancelled) + len(running)
 
     def wait(self, job_ids: Sequence[str], timeout_s: float = 60.0,
              poll_interval_s: float = 1.0) -> list[JobInfo]:

@@ -1,8 +1,9 @@
 """SQL tables: ``batches``, ``jobs`` (request, status, result) and ``job_metrics`` (one row per
-terminal job). The Alembic migrations in ``migrations/`` create them, and the ``job_stats`` view
-over them; this module is their Python mirror and must match the latest migration (a test
-compares them). The status checks derive from ``JobStatus``/``BatchStatus`` and the
-``job_metrics`` columns from ``JobStats``: the contract is declared once, in ``jobs.schemas``.
+terminal job), and the HTTP API's ``api_keys``, ``files`` and ``api_batches``. The Alembic
+migrations in ``migrations/`` create them, and the ``job_stats`` view over them; this module is
+their Python mirror and must match the latest migration (a test compares them). The status
+checks derive from ``JobStatus``/``BatchStatus`` and the ``job_metrics`` columns from
+``JobStats``: the contract is declared once, in ``jobs.schemas``.
 """
 
 from __future__ import annotations
@@ -126,3 +127,66 @@ class JobMetrics(Base):
     ``JobStats``' fields."""
 
     __table__ = job_metrics
+
+
+class ApiKey(Base):
+    """A key of the HTTP API: its id is public (the key starts with it), only the SHA-256 of
+    its secret is stored."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class File(Base):
+    """A file of the HTTP API: an upload (content in the file storage) or the output or error
+    file of a batch (content made from the jobs table when read)."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_owner_id", "owner_id", "id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("api_keys.id", ondelete="CASCADE"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    batch_id: Mapped[str | None] = mapped_column(String(64))
+    kind: Mapped[str] = mapped_column(String(16))  # upload | output | error
+
+
+class ApiBatch(Base):
+    """An OpenAI batch object of the HTTP API; its jobs carry its id as their ``batch_id``."""
+
+    __tablename__ = "api_batches"
+    __table_args__ = (Index("ix_api_batches_owner_id", "owner_id", "id"),
+                      Index("ix_api_batches_status", "status"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("api_keys.id", ondelete="CASCADE"))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str | None] = mapped_column(String(255))
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    status: Mapped[str] = mapped_column(String(16))
+    errors: Mapped[Any] = mapped_column(JSON)
+    total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -219,20 +219,25 @@ class JobQueue:
             start = "(" + entries[-1][0]
 
     def live_workers(self) -> set[str]:
-        """Worker ids whose heartbeat is current. Workers whose heartbeat is gone leave the
-        registry here, so it does not grow with every restart (a worker that comes back
-        registers again with its next heartbeat)."""
-        names = list(self.client.hkeys(self.keys.workers()))
-        if not names:
-            return set()
-        pipe = self.client.pipeline(transaction=False)
-        for name in names:
-            pipe.exists(self.keys.heartbeat(name))
-        alive = dict(zip(names, pipe.execute(), strict=True))
-        dead = [n for n, hit in alive.items() if not hit]
-        if dead:
-            self.client.hdel(self.keys.workers(), *dead)
-        return {n for n, hit in alive.items() if hit}
+        """Worker ids whose heartbeat is current (see :func:`live_workers`)."""
+        return live_workers(self.client, self.keys)
+
+
+def live_workers(client: redis.Redis, keys: Keys) -> set[str]:
+    """Worker ids whose heartbeat is current. Workers whose heartbeat is gone leave the
+    registry here, so it does not grow with every restart (a worker that comes back
+    registers again with its next heartbeat)."""
+    names = list(client.hkeys(keys.workers()))
+    if not names:
+        return set()
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.heartbeat(name))
+    alive = dict(zip(names, pipe.execute(), strict=True))
+    dead = [n for n, hit in alive.items() if not hit]
+    if dead:
+        client.hdel(keys.workers(), *dead)
+    return {n for n, hit in alive.items() if hit}
 
 
 def publish_done(client: redis.Redis, keys: Keys, finished: Iterable[tuple[str, str]]) -> None:

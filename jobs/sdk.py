@@ -183,9 +183,7 @@ class BatchHandle:
 
     def cancel(self) -> int:
         """Cancel every unfinished job of the batch; return how many were asked to stop."""
-        active = [job_id for job_id, _, status in self.jobs.batch_jobs(self.id)
-                  if not status.terminal]
-        return sum(self.jobs.cancel(job_id) is not None for job_id in active)
+        return self.jobs.cancel_batch(self.id)
 
     def stats(self) -> Stats:
         """Aggregate statistics of the batch's finished jobs (from SQL)."""
@@ -321,7 +319,7 @@ class Client:
                                       priority=priority, deadline=deadline))
                 valid[row.custom_id] = row
             except (ValidationError, ValueError) as exc:
-                error = _brief(exc) if isinstance(exc, ValidationError) else str(exc)
+                error = validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
                 try:  # a row without a custom_id to report it by refuses the batch
                     if rejected is None:
                         raise ValueError(error) from exc
@@ -409,6 +407,7 @@ def _given(sampling: dict[str, Any], **named: Any) -> dict[str, Any]:
     return {**sampling, **{k: v for k, v in named.items() if v is not None}}
 
 
-def _brief(exc: ValidationError) -> str:
+def validation_message(exc: ValidationError) -> str:
+    """A pydantic error as one line: ``field: what is wrong`` per error, no input values."""
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}"
                      for e in exc.errors())

@@ -14,6 +14,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from jobs.api.commands import add_api_commands
 from jobs.commands import add_commands
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_command(sub)
     add_commands(sub)
+    add_api_commands(sub)
     # Arguments after `bench` go to bench/throughput.py untouched (see main).
     sub.add_parser("bench", help="engine vs transformers throughput (bench/throughput.py)")
 

@@ -90,26 +90,28 @@ class MaintenanceStore:
             return end_many(session, [(r.id, r.status, EXPIRED_ERROR[r.status]) for r in rows],
                             JobStatus.EXPIRED, now_s)
 
-    def expire_batches(self, now_s: float, limit: int = 1000) -> dict[str, list[tuple[str, str]]]:
+    def expire_batches(self, now_s: float, limit: int = 1000,
+                       batch_id: str | None = None) -> dict[str, list[tuple[str, str]]]:
         """Batches still in progress whose deadline passed become ``expired`` with every active
         job in them. ``limit`` jobs per transaction; the batch's status changes in the
         transaction that expires its last active jobs, so a crash midway leaves it in progress
         (and past its deadline: the next run carries on). Returns batch id -> (job id, status
-        before)."""
-        with Session(self.engine) as session:
-            batch_ids = session.scalars(
-                select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS,
+        before). ``batch_id`` limits it to that batch."""
+        query = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS,
                                        Batch.deadline_at.is_not(None),
                                        Batch.deadline_at <= to_dt(now_s))
-            ).all()
+        if batch_id is not None:
+            query = query.where(Batch.id == batch_id)
+        with Session(self.engine) as session:
+            due_ids = session.scalars(query).all()
         expired: dict[str, list[tuple[str, str]]] = {}
-        for batch_id in batch_ids:
+        for due_id in due_ids:
             done: list[tuple[str, str]] = []
             while True:
                 with Session(self.engine) as session, session.begin():
                     rows = session.execute(
                         select(Job.id, Job.status)
-                        .where(Job.batch_id == batch_id, Job.status.in_(ACTIVE))
+                        .where(Job.batch_id == due_id, Job.status.in_(ACTIVE))
                         .order_by(Job.id).limit(limit).with_for_update()
                     ).all()
                     done += end_many(session, [(r.id, r.status, "batch deadline passed")
@@ -117,12 +119,12 @@ class MaintenanceStore:
                     if len(rows) < limit:
                         res = session.execute(
                             update(Batch)
-                            .where(Batch.id == batch_id,
+                            .where(Batch.id == due_id,
                                    Batch.status == BatchStatus.IN_PROGRESS)
                             .values(status=BatchStatus.EXPIRED, completed_at=to_dt(now_s))
                         )
                         if res.rowcount == 1:
-                            expired[batch_id] = done
+                            expired[due_id] = done
                         break
         return expired
 

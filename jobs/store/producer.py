@@ -11,7 +11,9 @@ from sqlalchemy.orm import Session
 
 from jobs.models import Batch, Job
 from jobs.schemas import JobSpec, JobStatus, Outcome
-from jobs.store.transitions import db_now, terminalize
+from jobs.store.transitions import ACTIVE, db_now, end_many, terminalize
+
+CANCELLED_UNRUN = "cancelled before it started"
 
 
 class ProducerStore:
@@ -70,11 +72,40 @@ class ProducerStore:
             status = JobStatus(row.status)
             if status is JobStatus.QUEUED:
                 terminalize(session, Outcome(job_id, JobStatus.CANCELLED, now_s,
-                                             error="cancelled before it started"))
+                                             error=CANCELLED_UNRUN))
                 return JobStatus.CANCELLED
             if status is JobStatus.RUNNING:
                 session.execute(update(Job).where(Job.id == job_id).values(cancel_requested=True))
             return status
+
+
+    def cancel_batch(self, batch_id: str, now_s: float,
+                     limit: int = 1000) -> tuple[list[str], list[str]]:
+        """Cancel every queued job of ``batch_id`` at once and flag every running one (the
+        caller tells their workers), ``limit`` jobs per transaction. Returns (ids cancelled
+        now, ids of running jobs flagged)."""
+        cancelled: list[str] = []
+        running: list[str] = []
+        after = ""
+        while True:
+            with Session(self.engine) as session, session.begin():
+                rows = session.execute(
+                    select(Job.id, Job.status)
+                    .where(Job.batch_id == batch_id, Job.status.in_(ACTIVE), Job.id > after)
+                    .order_by(Job.id).limit(limit).with_for_update()
+                ).all()
+                queued = [(r.id, r.status, CANCELLED_UNRUN) for r in rows
+                          if r.status == JobStatus.QUEUED.value]
+                cancelled += [job_id for job_id, _ in
+                              end_many(session, queued, JobStatus.CANCELLED, now_s)]
+                flagged = [r.id for r in rows if r.status == JobStatus.RUNNING.value]
+                if flagged:
+                    session.execute(update(Job).where(Job.id.in_(flagged))
+                                    .values(cancel_requested=True))
+                running += flagged
+            if len(rows) < limit:
+                return cancelled, running
+            after = rows[-1].id
 
 
 def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:

@@ -11,7 +11,15 @@ from sqlalchemy import DateTime, Engine, bindparam, func, select, text
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, Job, JobMetrics
-from jobs.schemas import Choice, JobInfo, JobResult, JobStats, JobStatus, Usage
+from jobs.schemas import (
+    TERMINAL_STATUSES,
+    Choice,
+    JobInfo,
+    JobResult,
+    JobStats,
+    JobStatus,
+    Usage,
+)
 from jobs.store.transitions import ACTIVE, aware
 
 # The job_stats view's rows with the job's custom_id and submission time. The stats columns
@@ -43,6 +51,21 @@ class JobReader:
                 select(Job, JobMetrics)
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
                 .where(Job.id.in_(job_ids))
+            ).all()
+        return [_info(job, metrics) for job, metrics in rows]
+
+    def batch_page(self, batch_id: str, *, succeeded: bool, after: str = "",
+                   limit: int = 500) -> list[JobInfo]:
+        """A page of ``batch_id``'s terminal jobs that succeeded (or, with ``succeeded``
+        False, that did not), in id order after ``after``: what output files are made of."""
+        wanted = (Job.status == JobStatus.SUCCEEDED.value if succeeded else
+                  Job.status.in_([s.value for s in TERMINAL_STATUSES - {JobStatus.SUCCEEDED}]))
+        with Session(self.engine) as session:
+            rows = session.execute(
+                select(Job, JobMetrics)
+                .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
+                .where(Job.batch_id == batch_id, Job.id > after, wanted)
+                .order_by(Job.id).limit(limit)
             ).all()
         return [_info(job, metrics) for job, metrics in rows]
 

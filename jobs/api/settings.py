@@ -1,0 +1,37 @@
+"""Settings of ``kvbatch serve``: flags, else ``KVBATCH_API_*`` variables, else defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from jobs.constants import DEFAULT_MODEL
+from jobs.settings import ENV_PREFIX
+
+API_ENV_PREFIX = f"{ENV_PREFIX}API_"
+DEFAULT_FILES_DIR = Path.home() / ".cache" / "kvbatch" / "files"
+
+
+class ApiSettings(BaseSettings):
+    """The HTTP API's own settings (the queue and the database are ``ConnectionSettings``)."""
+
+    model_config = SettingsConfigDict(env_prefix=API_ENV_PREFIX, frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    files_dir: Path = Field(DEFAULT_FILES_DIR, description="where uploaded files are stored "
+                                                           "(shared by every API replica)")
+    max_upload_bytes: int = Field(512 * 2**20, gt=0, description="largest upload (413 past "
+                                                                 "it)")
+    max_requests_per_batch: int = Field(1_000_000, gt=0, description="most lines in a batch's "
+                                                                     "input file")
+    models: list[str] = Field(default_factory=lambda: [DEFAULT_MODEL],
+                              description="models batches may name, besides those of live "
+                                          "workers")
+    poll_interval_s: float = Field(1.0, gt=0, description="how often batches in progress are "
+                                                          "looked at")
+    lease_s: float = Field(30.0, gt=0, description="how long a batch being validated or "
+                                                   "finalized stays with the process doing it "
+                                                   "if that process dies")
