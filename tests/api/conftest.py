@@ -4,19 +4,15 @@ PostgreSQL as everywhere (a per-test key prefix and schema)."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
+from api_server import ApiServer
 from services import REDIS_URL
 from sqlalchemy import Engine
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the api_server helper
-
-from api_server import ApiServer
 
 from jobs import db
 from jobs.api.keys import KeyStore

@@ -9,7 +9,6 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -251,3 +250,22 @@ def test_keys_command_prints_a_key_once_and_stores_its_hash(services, engine: En
     assert main(["keys", "revoke", key_id, *url]) == 0
     assert store.authenticate(key) is None
     assert main(["keys", "revoke", key_id, *url]) == 1  # nothing left to revoke
+
+
+def _peak_rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1])
+
+
+def test_uploads_stream_to_storage(openai_client, server: ApiServer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    client = openai_client()
+    upload(client, jsonl([chat_row("warm")]))  # the upload path's imports are loaded
+    assert server.proc is not None
+    before = _peak_rss_kib(server.proc.pid)
+    row = json.dumps(chat_row("x")) + "\n"
+    data = (row * (96 * 2**20 // len(row))).encode()
+    file = client.files.create(file=("big.jsonl", io.BytesIO(data)), purpose="batch")
+    assert file.bytes == len(data)
+    assert (tmp_path / "files" / file.id).stat().st_size == len(data)
+    growth_mib = (_peak_rss_kib(server.proc.pid) - before) / 1024
+    assert growth_mib < 24, f"the server's peak memory grew {growth_mib:.0f} MiB for a 96 MiB file"

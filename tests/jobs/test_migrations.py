@@ -20,7 +20,8 @@ def test_upgrade_empty_database_then_downgrade_cleanly(database_url: str) -> Non
     assert db.current_revision(engine) is None
     db.upgrade(engine)
     insp = sa.inspect(engine)
-    assert set(insp.get_table_names()) == {"alembic_version", "batches", "jobs", "job_metrics"}
+    assert set(insp.get_table_names()) == {"alembic_version", "batches", "jobs", "job_metrics",
+                                           "api_keys", "files", "api_batches"}
     assert insp.get_view_names() == ["job_stats"]
     assert [c["name"] for c in insp.get_columns("job_stats")] == VIEW_COLUMNS
     assert db.current_revision(engine) == HEAD
