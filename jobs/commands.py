@@ -57,28 +57,29 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         help="refuse the whole file if any row cannot run (default: such a row "
                              "gets an error line and the others run)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
-    _connection_arguments(submit)
+    connection_arguments(submit)
     submit.set_defaults(func=_submit)
 
     status = sub.add_parser("status", help="counts and statistics of a batch, or one job")
     status.add_argument("id", help="a batch id or a job id")
-    _connection_arguments(status)
+    connection_arguments(status)
     status.set_defaults(func=_status)
 
     cancel = sub.add_parser("cancel", help="cancel a job, or every unfinished job of a batch")
     cancel.add_argument("id", help="a job id or a batch id")
-    _connection_arguments(cancel)
+    connection_arguments(cancel)
     cancel.set_defaults(func=_cancel)
 
     stats = sub.add_parser("stats", help="aggregate statistics of finished jobs")
     stats.add_argument("--batch", help="only this batch")
     stats.add_argument("--since", type=_since,
                        help="only jobs finished since: a duration (30m, 2h, 1d) or ISO time")
-    _connection_arguments(stats)
+    connection_arguments(stats)
     stats.set_defaults(func=_stats)
 
 
-def _connection_arguments(parser: argparse.ArgumentParser) -> None:
+def connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--redis-url``, ``--database-url``, ``--key-prefix``."""
     parser.add_argument("--redis-url", help="default $KVBATCH_REDIS_URL, else local Redis")
     parser.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
                                                "sqlite:///kvbatch.db")

@@ -143,8 +143,8 @@ class ApiKey(Base):
 
 
 class File(Base):
-    """A file of the HTTP API: an upload (content in the file storage) or the output or error
-    file of a batch (content made from the jobs table when read)."""
+    """A file of the HTTP API: an upload, or the output or error file of a batch (written from
+    the jobs table when the batch ends); the content is in the API's file storage."""
 
     __tablename__ = "files"
     __table_args__ = (Index("ix_files_owner_id", "owner_id", "id"),)
@@ -180,6 +180,8 @@ class ApiBatch(Base):
     total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
+    # The API process validating or finalizing the batch, until when (see jobs.api.batches).
+    lease_holder: Mapped[str | None] = mapped_column(String(32))
     lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

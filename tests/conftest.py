@@ -19,6 +19,15 @@ from jobs import db
 from jobs.constants import Keys
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama saved as transformers saves it (one for the whole session; the
+    engine tests have their own set)."""
+    from engine.testing import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
+
+
 @pytest.fixture
 def redis_client() -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(REDIS_URL, decode_responses=True)

@@ -50,3 +50,35 @@ def child_pids(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def thread_workers(tiny_model: str, services: dict[str, str], model: str = "tiny"):  # type: ignore[no-untyped-def]
+    """A generator fixture's body: yields ``start(**overrides)``, which runs a worker loop on
+    the tiny model in a thread (served as ``model``); every one is stopped (no drain) at the
+    end."""
+    import threading
+
+    from worker.loop import Worker
+    from worker.main import build_engine
+    from worker.settings import worker_settings
+
+    started: list[tuple[Worker, threading.Thread]] = []
+
+    def start(**overrides: object) -> Worker:
+        values: dict[str, object] = {
+            "model": tiny_model, "served_model_name": model, "device": "cpu",
+            "num_kv_blocks": 1024, "max_num_seqs": 64, "waiting_buffer": 16,
+            "lease_ttl_s": 2.0, "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0,
+            "poll_interval_ms": 10, **services, **overrides,
+        }
+        settings = worker_settings(**values)
+        worker = Worker(settings, build_engine(settings))
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        started.append((worker, thread))
+        return worker
+
+    yield start
+    for worker, thread in started:
+        worker.stop(drain=False)
+        thread.join(30)

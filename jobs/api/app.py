@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -33,6 +34,7 @@ from jobs.models import ApiBatch, File
 from jobs.settings import ConnectionSettings
 
 MAX_FIELD_BYTES = 1 << 16  # a form field other than the file (``purpose``)
+MAX_FIELDS = 16
 # A declared body this far past the upload limit is refused before it is read; a smaller one is
 # read (and dropped past the limit) so that the client gets the 413 rather than a broken pipe.
 REFUSE_UNREAD_FACTOR = 4
@@ -161,8 +163,7 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings) -> FastAPI:
         row = own_file(file_id, key)
         if not records.delete_file(key, file_id):
             raise not_found("file", file_id)
-        if row.kind == "upload":
-            storage.delete(file_id)
+        storage.delete(row.id)
         return {"id": file_id, "object": "file", "deleted": True}
 
     @app.post("/v1/batches")
@@ -203,25 +204,35 @@ async def receive_upload(request: Request, owner: str, records: ApiRecords,
     boundary = options.get(b"boundary")
     if content_type != b"multipart/form-data" or not boundary:
         raise ApiError(400, "upload a file as multipart/form-data (fields 'file', 'purpose')")
-    declared = int(request.headers.get("content-length") or 0)
+    try:
+        declared = int(request.headers.get("content-length") or 0)
+    except ValueError:
+        raise ApiError(400, "Content-Length is not a number") from None
+    too_big = ApiError(413, f"the file is over the {limit}-byte upload limit")
     if declared > REFUSE_UNREAD_FACTOR * limit:
-        raise ApiError(413, f"the file is over the {limit}-byte upload limit")
+        raise too_big
     form = _Form(storage, new_id("file-"), limit)
     parser = MultipartParser(boundary, form.callbacks())
+    received = 0
     try:
         async for chunk in request.stream():
+            received += len(chunk)
+            if received > REFUSE_UNREAD_FACTOR * limit:  # a body without a declared length
+                raise too_big
             await anyio.to_thread.run_sync(parser.write, chunk)
         parser.finalize()
         return await anyio.to_thread.run_sync(form.finish, records, owner)
     except ClientDisconnect:
         raise ApiError(400, "the upload was cut off") from None
+    except MultipartParseError as exc:
+        raise ApiError(400, f"malformed multipart form: {exc}") from None
     finally:
         form.discard()
 
 
 class _Form:
     """Callbacks of the multipart parser: the ``file`` part streams into an upload, other
-    fields are kept (up to :data:`MAX_FIELD_BYTES`)."""
+    fields are kept (the first :data:`MAX_FIELDS`, up to :data:`MAX_FIELD_BYTES` each)."""
 
     def __init__(self, storage: FileStorage, file_id: str, limit: int) -> None:
         self.storage, self.file_id, self.limit = storage, file_id, limit
@@ -247,10 +258,10 @@ class _Form:
         self._headers, self._data, self._into_file = {}, bytearray(), False
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._field += data[start:end]
+        self._field = (self._field + data[start:end])[:MAX_FIELD_BYTES]
 
     def _header_value(self, data: bytes, start: int, end: int) -> None:
-        self._value += data[start:end]
+        self._value = (self._value + data[start:end])[:MAX_FIELD_BYTES]
 
     def _header_end(self) -> None:
         self._headers[self._field.decode("latin-1").lower()] = self._value.decode("utf-8",
@@ -275,10 +286,10 @@ class _Form:
             elif not self.over_limit:
                 self.upload.write(data[start:end])
         elif len(self._data) < MAX_FIELD_BYTES:
-            self._data += data[start:end]
+            self._data += data[start:end][:MAX_FIELD_BYTES - len(self._data)]
 
     def _part_end(self) -> None:
-        if not self._into_file and self._name:
+        if not self._into_file and self._name and len(self.fields) < MAX_FIELDS:
             self.fields[self._name] = self._data.decode("utf-8", "replace")
 
     def finish(self, records: ApiRecords, owner: str) -> File:

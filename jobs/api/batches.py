@@ -25,12 +25,13 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
@@ -39,11 +40,13 @@ from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import FileStorage, read_chunks
 from jobs.client import JobClient
+from jobs.constants import MAX_PAYLOAD_BYTES
 from jobs.models import ApiBatch, File
 from jobs.rows import CHAT_URL, COMPLETIONS_URL, RowKind, output_line, parse_row
 from jobs.schemas import JobSpec, JobStatus
 from jobs.sdk import row_spec, validation_message
 from jobs.store import MaintenanceStore, db_now
+from jobs.store.transitions import aware
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class BatchRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self.holder = uuid.uuid4().hex[:16]  # this process, as a lease holder
 
     # -- requests --------------------------------------------------------------------------
 
@@ -145,12 +149,16 @@ class BatchRunner:
         """Ask batch ``batch_id`` to stop: its queued rows are cancelled, running ones
         aborted, and it ends ``cancelled`` with the output of what finished."""
         row = self.records.get(ApiBatch, owner, batch_id)
-        if row is None:
-            raise not_found("batch", batch_id)
-        if row.status in (Status.VALIDATING, Status.IN_PROGRESS):
-            row = self.records.move(batch_id, [row.status], Status.CANCELLING) or \
-                self.records.get(ApiBatch, owner, batch_id)
-            assert row is not None
+        for _ in range(3):  # the batch may move on (validated) between the read and the move
+            if row is None:
+                raise not_found("batch", batch_id)
+            if row.status not in (Status.VALIDATING, Status.IN_PROGRESS):
+                break
+            # A validator at work keeps its lease: the batch is not finalized until it stops.
+            row = self.records.move(batch_id, [row.status], Status.CANCELLING,
+                                    keep_lease=True) or self.records.get(ApiBatch, owner,
+                                                                         batch_id)
+        assert row is not None
         if row.status not in (Status.CANCELLING, Status.CANCELLED):
             # 400, not 409: the openai client retries a 409
             raise ApiError(400, f"batch {batch_id} is {row.status}: it cannot be cancelled")
@@ -165,13 +173,8 @@ class BatchRunner:
         return self.client.count_by_status(batch_id=row.id)
 
     def content(self, row: File) -> Iterator[bytes]:
-        """The bytes of file ``row``: stored for uploads, made from SQL for outputs."""
-        if row.kind == "upload":
-            return read_chunks(self.storage.open(row.id))
-        batch = self.records.get(ApiBatch, row.owner_id, str(row.batch_id))
-        if batch is None:
-            raise not_found("file", row.id)
-        return self._lines(batch, succeeded=row.kind == "output")
+        """The bytes of file ``row`` (``FileNotFoundError`` if its content is gone)."""
+        return read_chunks(self.storage.open(row.id))
 
     # -- the runner ------------------------------------------------------------------------
 
@@ -203,30 +206,40 @@ class BatchRunner:
             self._start(row.id, Status.VALIDATING, self._validate)
         elif row.status == Status.FINALIZING:
             self._start(row.id, Status.FINALIZING, self._finalize)
-        else:
+        elif row.status in (Status.IN_PROGRESS, Status.CANCELLING):
             self._follow(row)
 
-    def _start(self, batch_id: str, status: Status, work: Any) -> None:
+    def _start(self, batch_id: str, status: Status, work: Callable[[str], None]) -> None:
         with self._lock:
-            if batch_id in self._busy or not self.records.claim(batch_id, status,
-                                                                self.settings.lease_s):
+            if batch_id in self._busy:
                 return
             self._busy.add(batch_id)
-        self._pool.submit(self._guarded, batch_id, work)
+        self._pool.submit(self._leased, batch_id, status, work)
 
-    def _guarded(self, batch_id: str, work: Any) -> None:
+    def _leased(self, batch_id: str, status: Status, work: Callable[[str], None]) -> None:
+        """``work`` on ``batch_id`` under this runner's lease (nothing if another holds it)."""
         try:
-            work(batch_id)
-        except Exception:  # the lease runs out and the batch is taken up again
-            log.exception("batch %s: step failed", batch_id)
+            if self.records.claim(batch_id, status, self.holder, self.settings.lease_s):
+                try:
+                    work(batch_id)
+                finally:
+                    self.records.release(batch_id, self.holder)
+        except Exception:  # the batch is taken up again next round
+            log.exception("batch %s: %s step failed", batch_id, status)
         finally:
             with self._lock:
                 self._busy.discard(batch_id)
 
+    def _renew(self, batch_id: str, status: Status) -> bool:
+        return self.records.renew(batch_id, status, self.holder, self.settings.lease_s)
+
     def _follow(self, row: ApiBatch) -> None:
         if row.status == Status.CANCELLING:
             self.client.cancel_batch(row.id)
-        elif row.expires_at is not None and row.expires_at.timestamp() <= time.time():
+            lease = aware(row.lease_until)
+            if lease is not None and lease.timestamp() > time.time():
+                return  # its validator is still storing rows: cancel those too, then finish
+        elif (expires := aware(row.expires_at)) is not None and expires.timestamp() <= time.time():
             self.maintenance.expire_batches(time.time(), batch_id=row.id)
         counts = self.client.count_by_status(batch_id=row.id)
         if any(not s.terminal for s in counts):
@@ -240,37 +253,54 @@ class BatchRunner:
         row = self.records.get(ApiBatch, None, batch_id)
         if row is None or row.status != Status.VALIDATING:
             return
+        known = {cid for _, cid, _ in self.client.batch_jobs(batch_id)}
+        if not known:  # else an earlier pass checked the file and began storing its rows
+            try:
+                errors = self._check(row)
+            except FileNotFoundError:
+                errors = [_file_gone()]
+            if errors is None:
+                return  # cancelled while it was checked
+            if errors:
+                self._fail(batch_id, errors)
+                return
         try:
-            errors, total, model = self._check(row)
+            self._submit(row, known)
         except FileNotFoundError:
-            errors, total, model = [LineError("file_not_found", "the input file was deleted "
-                                                                "before the batch ran")], 0, None
-        if errors:
-            self.records.move(batch_id, [Status.VALIDATING], Status.FAILED,
-                              errors={"object": "list", "data": [e.entry() for e in errors]})
-            log.info("batch %s failed validation (%d line errors)", batch_id, len(errors))
-            return
-        assert model is not None
-        known = {cid for _, cid, _ in self.client.batch_jobs(batch_id)}  # a resumed pass
+            self._fail(batch_id, [_file_gone()])
+
+    def _fail(self, batch_id: str, errors: list[LineError]) -> None:
+        if self.records.move(batch_id, [Status.VALIDATING], Status.FAILED,
+                             errors={"object": "list", "data": [e.entry() for e in errors]}):
+            self.client.cancel_batch(batch_id)  # rows an earlier pass stored, if any
+            log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
+
+    def _submit(self, row: ApiBatch, known: set[str | None]) -> None:
+        """The second pass: store the rows not in ``known`` as jobs, then ``in_progress``."""
+        batch_id = row.id
         chunk: list[JobSpec] = []
-        for _, spec in self._specs(row, {model}):
+        total, model = 0, None
+        for _, spec in self._specs(row, None):
             if isinstance(spec, LineError):  # the first pass read the same bytes
                 raise RuntimeError(f"line {spec.line} changed since it was checked")
+            total, model = total + 1, spec.model
             if spec.custom_id not in known:
                 chunk.append(spec)
-            if len(chunk) >= CHUNK_ROWS:
-                self.client.store(chunk, deadline=row.expires_at)
-                chunk = []
-                if not self.records.renew(batch_id, Status.VALIDATING, self.settings.lease_s):
-                    return  # cancelled meanwhile: following it cancels what was stored
+            if total % CHUNK_ROWS == 0:
+                if chunk:
+                    self.client.store(chunk, deadline=row.expires_at)
+                    chunk = []
+                if not self._renew(batch_id, Status.VALIDATING):
+                    return  # cancelled: following the batch cancels what was stored
         if chunk:
             self.client.store(chunk, deadline=row.expires_at)
         if self.records.move(batch_id, [Status.VALIDATING], Status.IN_PROGRESS, total=total,
                              model=model):
             log.info("batch %s: %d requests on %s in progress", batch_id, total, model)
 
-    def _check(self, row: ApiBatch) -> tuple[list[LineError], int, str | None]:
-        """The first pass: (line errors, number of requests, the model they name)."""
+    def _check(self, row: ApiBatch) -> list[LineError] | None:
+        """The first pass: every line's errors (up to :data:`MAX_ERRORS`); None if the batch
+        left ``validating`` meanwhile (cancelled)."""
         errors: list[LineError] = []
         seen: set[str] = set()
         total, model = 0, None
@@ -288,6 +318,8 @@ class BatchRunner:
                 seen.add(str(spec.custom_id))
                 model = spec.model
             total += 1
+            if total % CHUNK_ROWS == 0 and not self._renew(row.id, Status.VALIDATING):
+                return None
             if total > self.settings.max_requests_per_batch:
                 errors.append(LineError("too_many_requests", "a batch holds at most "
                                         f"{self.settings.max_requests_per_batch} requests",
@@ -296,21 +328,26 @@ class BatchRunner:
                 break
         if total == 0 and not errors:
             errors.append(LineError("empty_file", "the input file holds no requests"))
-        return errors, total, model
+        return errors
 
     def _specs(self, row: ApiBatch,
-               models: set[str]) -> Iterator[tuple[int, JobSpec | LineError]]:
-        """(line number, its job or why it cannot run) for each non-blank line."""
+               models: set[str] | None) -> Iterator[tuple[int, JobSpec | LineError]]:
+        """(line number, its job or why it cannot run) for each non-blank line; ``models``:
+        those a line may name (None: not checked)."""
         with self.storage.open(row.input_file_id) as f:
-            for line_no, raw in enumerate(f, 1):
-                if raw.strip():
+            for line_no, raw in enumerate(_bounded_lines(f, MAX_PAYLOAD_BYTES), 1):
+                if raw is None:
+                    yield line_no, LineError("invalid_request", "the line is over the "
+                                             f"{MAX_PAYLOAD_BYTES}-byte limit of a request",
+                                             None, line_no)
+                elif raw.strip():
                     try:
                         yield line_no, self._spec(raw, row, models)
                     except LineError as exc:
                         exc.line = line_no
                         yield line_no, exc
 
-    def _spec(self, raw: bytes, row: ApiBatch, models: set[str]) -> JobSpec:
+    def _spec(self, raw: bytes, row: ApiBatch, models: set[str] | None) -> JobSpec:
         try:
             obj = json.loads(raw)
         except (UnicodeDecodeError, ValueError):
@@ -324,7 +361,7 @@ class BatchRunner:
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(model, str) or not model:
             raise LineError("invalid_request", "body.model is required", "body.model")
-        if model not in models:
+        if models is not None and model not in models:
             raise LineError("model_not_found", f"model {model!r} is not served here (GET "
                                                "/v1/models lists those that are)", "body.model")
         try:
@@ -346,30 +383,61 @@ class BatchRunner:
         counts = self.client.count_by_status(batch_id=batch_id)
         files = []
         for kind in ("output", "error"):
-            size = 0
-            for chunk in self._lines(row, succeeded=kind == "output"):
-                size += len(chunk)
-                self.records.renew(batch_id, Status.FINALIZING, self.settings.lease_s)
-            if size:
-                files.append(File(id=f"file-{batch_id.removeprefix('batch_')}-{kind}",
-                                  owner_id=row.owner_id, purpose="batch_output",
-                                  filename=f"{batch_id}_{kind}.jsonl", bytes=size,
-                                  batch_id=batch_id, kind=kind))
+            file = self._write_output(row, kind)
+            if file is None:
+                return  # the lease went to another process
+            if file.bytes:
+                files.append(file)
         status = (Status.CANCELLED if row.cancelling_at is not None
                   else Status.EXPIRED if counts.get(JobStatus.EXPIRED) else Status.COMPLETED)
         if self.records.finalize(batch_id, status, files):
             log.info("batch %s %s", batch_id, status)
 
-    def _lines(self, batch: ApiBatch, *, succeeded: bool) -> Iterator[bytes]:
-        """The output (or error) file of ``batch``, a page of lines at a time."""
-        kind = RowKind(batch.endpoint)
-        after = ""
-        while True:
-            page = self.client.batch_page(batch.id, succeeded=succeeded, after=after,
-                                          limit=PAGE_ROWS)
-            if page:
-                yield "".join(json.dumps(output_line(kind, info), ensure_ascii=False) + "\n"
-                              for info in page).encode()
-            if len(page) < PAGE_ROWS:
-                return
-            after = page[-1].id
+    def _write_output(self, batch: ApiBatch, kind: str) -> File | None:
+        """Write the output (or error) file of ``batch`` from the jobs table into storage, a
+        page of jobs at a time; None if the lease was lost meanwhile."""
+        file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
+        upload = self.storage.begin(file_id)
+        try:
+            after, size = "", 0
+            line_kind = RowKind(batch.endpoint)
+            while True:
+                page = self.client.batch_page(batch.id, succeeded=kind == "output",
+                                              after=after, limit=PAGE_ROWS)
+                if page:
+                    data = "".join(json.dumps(output_line(line_kind, info), ensure_ascii=False)
+                                   + "\n" for info in page).encode()
+                    upload.write(data)
+                    size += len(data)
+                    if not self._renew(batch.id, Status.FINALIZING):
+                        upload.discard()
+                        return None
+                if len(page) < PAGE_ROWS:
+                    break
+                after = page[-1].id
+        except BaseException:
+            upload.discard()
+            raise
+        if not size:
+            upload.discard()
+        else:
+            upload.commit()
+        return File(id=file_id, owner_id=batch.owner_id, purpose="batch_output",
+                    filename=f"{batch.id}_{kind}.jsonl", bytes=size, batch_id=batch.id,
+                    kind=kind)
+
+
+def _file_gone() -> LineError:
+    return LineError("file_not_found", "the input file was deleted before the batch ran")
+
+
+def _bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """The lines of ``f``; a line of more than ``limit`` bytes (its newline aside) is read in
+    pieces, never whole, and given as None."""
+    while line := f.readline(limit + 1):
+        if len(line) <= limit or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of the long line
+            line = f.readline(limit + 1)
+        yield None

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from jobs.api.settings import ApiSettings
+from jobs.commands import connection_arguments
 from jobs.settings import connection_settings
 from jobs.tables import format_table, printable
 
@@ -27,7 +28,7 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     serve.add_argument("--model", action="append", dest="models",
                        help="a model batches may name besides those of live workers "
                             "(repeatable; default $KVBATCH_API_MODELS, else the default model)")
-    _connection(serve)
+    connection_arguments(serve)
     serve.set_defaults(func=_serve)
 
     keys = sub.add_parser("keys", help="API keys of kvbatch serve: create, list, revoke")
@@ -36,13 +37,6 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     keys.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
                                              "sqlite:///kvbatch.db")
     keys.set_defaults(func=_keys)
-
-
-def _connection(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", help="default $KVBATCH_REDIS_URL, else local Redis")
-    parser.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
-                                               "sqlite:///kvbatch.db")
-    parser.add_argument("--key-prefix", help="default $KVBATCH_KEY_PREFIX, else kvbatch")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -70,39 +70,50 @@ class ApiRecords:
             session.delete(row)
         return True
 
-    def move(self, batch_id: str, before: Collection[str], after: str,
-             **values: Any) -> ApiBatch | None:
+    def move(self, batch_id: str, before: Collection[str], after: str, *,
+             keep_lease: bool = False, **values: Any) -> ApiBatch | None:
         """Move batch ``batch_id`` from one of ``before`` to ``after``, stamping
         ``<after>_at`` and setting ``values``; the batch, or None if it was not in ``before``
-        (someone else moved it first). The lease is given up."""
+        (someone else moved it first). The lease ends, unless ``keep_lease``."""
         with self.session() as session, session.begin():
             stamp = {f"{after}_at": db_now(session)} if hasattr(ApiBatch, f"{after}_at") else {}
+            lease = {} if keep_lease else {"lease_holder": None, "lease_until": None}
             moved = session.scalars(
                 update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status.in_(before))
-                .values(status=after, lease_until=None, **stamp, **values)
+                .values(status=after, **lease, **stamp, **values)
                 .returning(ApiBatch)).first()
         return moved
 
-    def claim(self, batch_id: str, status: str, lease_s: float) -> bool:
-        """Take batch ``batch_id`` (in ``status``) for ``lease_s``, unless another process
-        holds it; renewing one's own lease is taking it again."""
+    def claim(self, batch_id: str, status: str, holder: str, lease_s: float) -> bool:
+        """Take batch ``batch_id`` (in ``status``) for ``holder`` for ``lease_s``, unless
+        another holder's lease is live."""
         with self.session() as session, session.begin():
             now = db_now(session)
             claimed = session.execute(
                 update(ApiBatch).where(
                     ApiBatch.id == batch_id, ApiBatch.status == status,
-                    or_(ApiBatch.lease_until.is_(None), ApiBatch.lease_until < now))
-                .values(lease_until=now + timedelta(seconds=lease_s)))
+                    or_(ApiBatch.lease_until.is_(None), ApiBatch.lease_until < now,
+                        ApiBatch.lease_holder == holder))
+                .values(lease_holder=holder, lease_until=now + timedelta(seconds=lease_s)))
         return bool(claimed.rowcount)
 
-    def renew(self, batch_id: str, status: str, lease_s: float) -> bool:
-        """Extend the lease held on ``batch_id``; False once it left ``status``."""
+    def renew(self, batch_id: str, status: str, holder: str, lease_s: float) -> bool:
+        """Extend ``holder``'s lease on ``batch_id``; False once the batch left ``status`` or
+        the lease went to another holder."""
         with self.session() as session, session.begin():
             now = db_now(session)
             renewed = session.execute(
-                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status == status)
+                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status == status,
+                                       ApiBatch.lease_holder == holder)
                 .values(lease_until=now + timedelta(seconds=lease_s)))
         return bool(renewed.rowcount)
+
+    def release(self, batch_id: str, holder: str) -> None:
+        """End ``holder``'s lease on ``batch_id``, whatever its status."""
+        with self.session() as session, session.begin():
+            session.execute(update(ApiBatch).where(ApiBatch.id == batch_id,
+                                                   ApiBatch.lease_holder == holder)
+                            .values(lease_holder=None, lease_until=None))
 
     def unfinished(self, statuses: Collection[str]) -> list[ApiBatch]:
         """Batches in ``statuses`` (what the runner looks at each round), oldest first."""
@@ -118,7 +129,8 @@ class ApiRecords:
             ids = {f.kind: f.id for f in files}
             moved = session.scalars(
                 update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status == "finalizing")
-                .values(status=status, lease_until=None, output_file_id=ids.get("output"),
+                .values(status=status, lease_holder=None, lease_until=None,
+                        output_file_id=ids.get("output"),
                         error_file_id=ids.get("error"), **{f"{status}_at": now})
                 .returning(ApiBatch)).first()
             if moved is None:

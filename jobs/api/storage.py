@@ -8,14 +8,17 @@ API replicas share it as a mounted volume. An S3-compatible store fits the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
 CHUNK_BYTES = 1 << 16
-_SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+STALE_PARTIAL_S = 86400  # an upload unfinished this long was cut off by a crash
 
 
 class Upload(Protocol):
@@ -63,14 +66,20 @@ class _DirectoryUpload:
 
 
 class DirectoryStorage:
-    """Each file is ``<root>/<file id>``; partial uploads are hidden ``.<id>.partial`` files."""
+    """Each file is ``<root>/<file id>``; partial uploads are hidden ``.<id>.partial`` files
+    (those left a day old by a crash are removed when a server starts)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        stale = time.time() - STALE_PARTIAL_S
+        for partial in root.glob(".*.partial"):
+            with contextlib.suppress(OSError):  # another replica may remove it first
+                if partial.stat().st_mtime < stale:
+                    partial.unlink()
 
     def _path(self, file_id: str) -> Path:
-        if not _SAFE_ID.match(file_id):
+        if not _SAFE_ID.fullmatch(file_id):
             raise ValueError(f"not a file id: {file_id!r}")
         return self.root / file_id
 

@@ -60,6 +60,7 @@ def upgrade() -> None:
         sa.Column("output_file_id", sa.String(64)),
         sa.Column("error_file_id", sa.String(64)),
         # Held by the API process validating or finalizing the batch (another waits it out).
+        sa.Column("lease_holder", sa.String(32)),
         sa.Column("lease_until", TZ),
         sa.Column("created_at", TZ, nullable=False),
         *(sa.Column(f"{stamp}_at", TZ) for stamp in (

@@ -4,14 +4,13 @@ PostgreSQL as everywhere (a per-test key prefix and schema)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
 from api_server import ApiServer
-from services import REDIS_URL
+from services import REDIS_URL, thread_workers
 from sqlalchemy import Engine
 
 from jobs import db
@@ -73,34 +72,7 @@ def openai_client(server: ApiServer,
     return make
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
-
-
 @pytest.fixture
-def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable[[], object]]:
+def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable[..., object]]:
     """A worker loop on the tiny model in a thread; stopped (no drain) at the end."""
-    from worker.loop import Worker
-    from worker.main import build_engine
-    from worker.settings import worker_settings
-
-    started: list[tuple[Worker, threading.Thread]] = []
-
-    def start() -> Worker:
-        settings = worker_settings(
-            model=tiny_model, served_model_name=MODEL, device="cpu", num_kv_blocks=1024,
-            max_num_seqs=64, waiting_buffer=16, lease_ttl_s=2.0, drain_timeout_s=5.0,
-            reconcile_interval_s=60.0, poll_interval_ms=10, **services)
-        worker = Worker(settings, build_engine(settings))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        started.append((worker, thread))
-        return worker
-
-    yield start
-    for worker, thread in started:
-        worker.stop(drain=False)
-        thread.join(30)
+    yield from thread_workers(tiny_model, services, MODEL)

@@ -1,11 +1,12 @@
 """The batch runner without the HTTP layer: a validation pass cut off midway (the process
 died) is finished by the next process once the lease runs out, without submitting a row
-twice; a live lease keeps a second process away."""
+twice; a live lease keeps a second process away; a batch cancelled while its rows are being
+stored ends with every stored row cancelled; an over-long line is an error of its own."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
@@ -28,34 +29,51 @@ class Crash(Exception):
     pass
 
 
-class DyingStorage(DirectoryStorage):
-    """The second read of a file (the submitting pass) dies after ``lines`` lines."""
+class HookStorage(DirectoryStorage):
+    """The second read of a file (the submitting pass) calls ``hook`` at line ``lines``."""
 
-    def __init__(self, root: Path, lines: int) -> None:
+    def __init__(self, root: Path, lines: int, hook: Callable[[], None]) -> None:
         super().__init__(root)
-        self.lines, self.reads = lines, 0
+        self.lines, self.hook, self.reads = lines, hook, 0
 
     def open(self, file_id: str) -> BinaryIO:
         self.reads += 1
         f = super().open(file_id)
-        return _Dying(f, self.lines) if self.reads == 2 else f
+        return _Hooked(f, self.lines, self.hook) if self.reads == 2 else f  # type: ignore[return-value]
 
 
-class _Dying:
-    def __init__(self, f: BinaryIO, lines: int) -> None:
-        self.f, self.lines = f, lines
+class _Hooked:
+    def __init__(self, f: BinaryIO, lines: int, hook: Callable[[], None]) -> None:
+        self.f, self.lines, self.hook, self.n = f, lines, hook, 0
 
-    def __enter__(self) -> _Dying:
+    def __enter__(self) -> _Hooked:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.f.close()
 
-    def __iter__(self) -> Iterator[bytes]:
-        for n, line in enumerate(self.f):
-            if n == self.lines:
-                raise Crash("the process died")
-            yield line
+    def readline(self, size: int = -1) -> bytes:
+        if self.n == self.lines:
+            self.hook()
+        self.n += 1
+        return self.f.readline(size)
+
+
+def _die() -> None:
+    raise Crash("the process died")
+
+
+def _write_input(runner: BatchRunner, owner: str, rows: int, extra: bytes = b"") -> None:
+    upload = runner.storage.begin("file-input")
+    for i in range(rows):
+        upload.write(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                 "url": "/v1/chat/completions",
+                                 "body": {"model": "tiny", "max_tokens": 2, "messages": [
+                                     {"role": "user", "content": f"q{i}"}]}}).encode() + b"\n")
+    upload.write(extra)
+    upload.commit()
+    runner.records.add(File(id="file-input", owner_id=owner, purpose="batch",
+                            filename="in.jsonl", bytes=0, kind="upload"))
 
 
 def _runner(services: dict[str, str], storage: DirectoryStorage) -> BatchRunner:
@@ -69,26 +87,17 @@ def test_validation_cut_off_is_resumed_without_duplicates(services: dict[str, st
                                                           engine: Engine,
                                                           tmp_path: Path) -> None:
     owner = KeyStore(engine).create("t")[0].id
-    dying = DyingStorage(tmp_path / "files", lines=CHUNK_ROWS + 700)
-    first = _runner(services, dying)
-    upload = dying.begin("file-input")
-    for i in range(ROWS):
-        upload.write(json.dumps({"custom_id": f"r{i}", "method": "POST",
-                                 "url": "/v1/chat/completions",
-                                 "body": {"model": "tiny", "max_tokens": 2, "messages": [
-                                     {"role": "user", "content": f"q{i}"}]}}).encode() + b"\n")
-    upload.commit()
-    first.records.add(File(id="file-input", owner_id=owner, purpose="batch", filename="in.jsonl",
-                           bytes=0, kind="upload"))
+    first = _runner(services, HookStorage(tmp_path / "files", CHUNK_ROWS + 700, _die))
+    _write_input(first, owner, ROWS)
     batch = first.create(owner, "file-input", "/v1/chat/completions", "24h", None)
-    assert first.records.claim(batch.id, Status.VALIDATING, 0.5)
+    assert first.records.claim(batch.id, Status.VALIDATING, first.holder, 0.5)
     with pytest.raises(Crash):
         first._validate(batch.id)
     stored = {cid: job_id for job_id, cid, _ in first.client.batch_jobs(batch.id)}
     assert len(stored) == CHUNK_ROWS  # one chunk made it before the crash
 
     second = _runner(services, DirectoryStorage(tmp_path / "files"))
-    assert not second.records.claim(batch.id, Status.VALIDATING, 0.5)  # the lease holds
+    assert not second.records.claim(batch.id, Status.VALIDATING, second.holder, 0.5)
     row = wait_until(lambda: second.records.get(ApiBatch, owner, batch.id), 5)
     wait_until(lambda: second.advance(row) or second.records.get(
         ApiBatch, owner, batch.id).status == Status.IN_PROGRESS, 10, 0.2,  # type: ignore[union-attr]
@@ -101,3 +110,48 @@ def test_validation_cut_off_is_resumed_without_duplicates(services: dict[str, st
     for runner in (first, second):
         runner.stop()
         runner.client.close()
+
+
+def test_cancel_while_rows_are_stored_leaves_none_to_run(services: dict[str, str],
+                                                        engine: Engine, tmp_path: Path) -> None:
+    owner = KeyStore(engine).create("t")[0].id
+    holder: list[BatchRunner] = []
+    batch_ids: list[str] = []
+    runner = _runner(services, HookStorage(tmp_path / "files", CHUNK_ROWS + 500,
+                                           lambda: holder[0].cancel(owner, batch_ids[0])))
+    holder.append(runner)
+    _write_input(runner, owner, ROWS)
+    batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
+    batch_ids.append(batch.id)
+    runner._leased(batch.id, Status.VALIDATING, runner._validate)  # cancelled at line 1,500
+    row = runner.records.get(ApiBatch, owner, batch.id)
+    assert row is not None and row.status == Status.CANCELLING
+    # the chunk that was being read when the cancel came was stored after it: it is cancelled
+    # too before the batch ends
+    wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
+               or runner.records.get(ApiBatch, owner, batch.id).status  # type: ignore[union-attr]
+               == Status.CANCELLED, 10, 0.2, what="the batch cancelled")
+    jobs = runner.client.batch_jobs(batch.id)
+    assert len(jobs) == 2 * CHUNK_ROWS
+    assert {status.value for _, _, status in jobs} == {"cancelled"}
+    runner.stop()
+    runner.client.close()
+
+
+def test_a_line_over_the_request_limit_is_reported_not_read_whole(services: dict[str, str],
+                                                                 engine: Engine,
+                                                                 tmp_path: Path) -> None:
+    owner = KeyStore(engine).create("t")[0].id
+    runner = _runner(services, DirectoryStorage(tmp_path / "files"))
+    _write_input(runner, owner, 3, extra=b'{"custom_id": "' + b"x" * (2 << 20) + b'"}\n'
+                 + b'{"custom_id": "r0"}\n')
+    batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
+    runner._leased(batch.id, Status.VALIDATING, runner._validate)
+    row = runner.records.get(ApiBatch, owner, batch.id)
+    assert row is not None and row.status == Status.FAILED
+    errors = {e["line"]: e for e in row.errors["data"]}
+    assert sorted(errors) == [4, 5]
+    assert "byte limit" in errors[4]["message"] and errors[5]["param"] == "url"
+    assert runner.client.batch_jobs(batch.id) == []
+    runner.stop()
+    runner.client.close()

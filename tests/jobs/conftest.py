@@ -12,13 +12,6 @@ from jobs.constants import Keys
 
 # -- workers ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
-
-
 @pytest.fixture
 def start_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: Engine):  # type: ignore[no-untyped-def]
     """Start in-thread workers on the tiny model (on the test's PostgreSQL schema unless given

@@ -22,13 +22,6 @@ from services import REDIS_URL
 from jobs.constants import Keys
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
-
-
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own on a spare port, no persistence: restart = data loss."""

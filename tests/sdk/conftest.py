@@ -5,12 +5,11 @@ workers on a tiny random model. Everything a test creates is removed afterwards.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from services import REDIS_URL
+from services import REDIS_URL, thread_workers
 
 from jobs import db
 from jobs.constants import Keys
@@ -44,40 +43,10 @@ def client(services: dict[str, str]) -> Iterator[Client]:
         yield client
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing import make_tiny_model
-
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
-
-
 @pytest.fixture
 def start_worker(tiny_model: str, services: dict[str, str]) -> Iterator[Callable[..., object]]:
     """Start a worker loop on the tiny model in a thread; stopped (no drain) at the end."""
-    from worker.loop import Worker
-    from worker.main import build_engine
-    from worker.settings import worker_settings
-
-    started: list[tuple[Worker, threading.Thread]] = []
-
-    def start(**overrides: object) -> Worker:
-        values: dict[str, object] = {
-            "model": tiny_model, "served_model_name": MODEL, "device": "cpu",
-            "num_kv_blocks": 1024, "max_num_seqs": 64, "waiting_buffer": 16,
-            "lease_ttl_s": 2.0, "drain_timeout_s": 5.0, "reconcile_interval_s": 60.0,
-            "poll_interval_ms": 10, **services, **overrides,
-        }
-        settings = worker_settings(**values)
-        worker = Worker(settings, build_engine(settings))
-        thread = threading.Thread(target=worker.run, daemon=True)
-        thread.start()
-        started.append((worker, thread))
-        return worker
-
-    yield start
-    for worker, thread in started:
-        worker.stop(drain=False)
-        thread.join(30)
+    yield from thread_workers(tiny_model, services, MODEL)
 
 
 @pytest.fixture
