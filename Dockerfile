@@ -57,7 +57,7 @@ ENV KVBATCH_CACHE_DIR=/cache/kvbatch \
     TRITON_CACHE_DIR=/cache/triton \
     KVBATCH_METRICS_PORT=9400
 USER kvbatch
-EXPOSE 9400
+EXPOSE 9400 8000
 
 # tini forwards SIGTERM to kvbatch, whose worker drains its in-flight jobs before exiting.
 ENTRYPOINT ["/usr/bin/tini", "--", "kvbatch"]

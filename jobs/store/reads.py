@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import DateTime, Engine, bindparam, func, select, text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from jobs.models import Batch, Job, JobMetrics
 from jobs.schemas import (
@@ -48,7 +48,7 @@ class JobReader:
         """The stored jobs among ``job_ids`` (unknown ids are left out), in no set order."""
         with Session(self.engine) as session:
             rows = session.execute(
-                select(Job, JobMetrics)
+                select(Job, JobMetrics).options(defer(Job.spec))  # the request: not read here
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
                 .where(Job.id.in_(job_ids))
             ).all()
@@ -62,7 +62,7 @@ class JobReader:
                   Job.status.in_([s.value for s in TERMINAL_STATUSES - {JobStatus.SUCCEEDED}]))
         with Session(self.engine) as session:
             rows = session.execute(
-                select(Job, JobMetrics)
+                select(Job, JobMetrics).options(defer(Job.spec))
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
                 .where(Job.batch_id == batch_id, Job.id > after, wanted)
                 .order_by(Job.id).limit(limit)

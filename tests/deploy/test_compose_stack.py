@@ -12,16 +12,17 @@ from typing import Any
 import pytest
 import yaml
 
+from jobs.api.settings import ApiSettings
 from jobs.limits import JobLimits
 from worker.cli import build_parser
 from worker.control.settings import ControlSettings
 from worker.settings import ENGINE_FIELDS, WORKER_FIELDS, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = {"redis", "postgres", "migrate", "db-roles", "worker", "control", "prometheus",
-            "grafana"}
+SERVICES = {"redis", "postgres", "migrate", "db-roles", "worker", "control", "api",
+            "prometheus", "grafana"}
 ONE_SHOT = {"migrate", "db-roles"}  # run to completion, then exit
-KVBATCH = ("migrate", "worker", "control")
+KVBATCH = ("migrate", "worker", "control", "api")
 REQUIRED = re.compile(r"\$\{(\w+):\?[^}]+\}")  # ${VAR:?message}: compose refuses to start unset
 
 
@@ -118,7 +119,7 @@ def test_every_compose_variable_is_documented_in_env_example(compose: dict[str, 
     # Every KVBATCH_* setting in the example is one the worker or control plane reads.
     settings = {"KVBATCH_" + f.upper() for f in
                 [*ENGINE_FIELDS, *WORKER_FIELDS, *ControlSettings.model_fields,
-                 *JobLimits.model_fields]}
+                 *JobLimits.model_fields, *("API_" + f for f in ApiSettings.model_fields)]}
     compose_only = {"KVBATCH_IMAGE", "KVBATCH_GPUS_PER_WORKER"}
     kvbatch = {v for v in documented if v.startswith("KVBATCH_")}
     assert kvbatch - compose_only <= settings, sorted(kvbatch - compose_only - settings)
@@ -150,7 +151,7 @@ def test_published_ports_listen_on_localhost_unless_chosen(compose: dict[str, An
     default, and no password falls back to a default value."""
     published = {name: svc["ports"] for name, svc in compose["services"].items()
                  if "ports" in svc}
-    assert set(published) == {"redis", "postgres", "prometheus", "grafana"}
+    assert set(published) == {"redis", "postgres", "prometheus", "grafana", "api"}
     for name, ports in published.items():
         for port in ports:
             assert isinstance(port, str) and port.startswith("${BIND_ADDRESS:-127.0.0.1}:"), name
