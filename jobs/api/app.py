@@ -22,6 +22,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobs.api.batches import BatchRunner
 from jobs.api.keys import KeyStore
@@ -35,9 +36,41 @@ from jobs.settings import ConnectionSettings
 
 MAX_FIELD_BYTES = 1 << 16  # a form field other than the file (``purpose``)
 MAX_FIELDS = 16
+MAX_JSON_BYTES = 1 << 20  # any other request's body
 # A declared body this far past the upload limit is refused before it is read; a smaller one is
 # read (and dropped past the limit) so that the client gets the 413 rather than a broken pipe.
 REFUSE_UNREAD_FACTOR = 4
+
+
+class BodyLimit:
+    """ASGI middleware: a request other than an upload carries at most ``limit`` bytes (the
+    JSON of ``POST /v1/batches`` is small), so no unauthenticated client can make the server
+    hold a huge body. 413 past it."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_JSON_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) == ("POST", "/v1/files"):
+            await self.app(scope, receive, send)
+            return
+        too_big = ApiError(413, f"a request body is at most {self.limit} bytes")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            await JSONResponse(too_big.body(), 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:  # a body without a declared length
+                # HTTPException: FastAPI turns anything else raised while reading into a 400
+                raise HTTPException(413, too_big.message)
+            return message
+
+        await self.app(scope, limited, send)
 
 
 class CreateBatch(BaseModel):
@@ -92,6 +125,7 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings) -> FastAPI:
     app = FastAPI(title="kvbatch", summary="OpenAI-compatible Files and Batches",
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner, app.state.keys = runner, keys
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

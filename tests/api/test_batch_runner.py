@@ -155,3 +155,30 @@ def test_a_line_over_the_request_limit_is_reported_not_read_whole(services: dict
     assert runner.client.batch_jobs(batch.id) == []
     runner.stop()
     runner.client.close()
+
+
+def test_a_batch_past_its_window_ends_expired_with_an_error_file(services: dict[str, str],
+                                                                  engine: Engine,
+                                                                  tmp_path: Path) -> None:
+    owner = KeyStore(engine).create("t")[0].id
+    runner = _runner(services, DirectoryStorage(tmp_path / "files"))
+    _write_input(runner, owner, 4)
+    batch = runner.create(owner, "file-input", "/v1/chat/completions", "1h", None)
+    runner._leased(batch.id, Status.VALIDATING, runner._validate)
+    with engine.begin() as conn:  # an hour later, no worker having run anything
+        for table, column in (("api_batches", "expires_at"), ("batches", "deadline_at"),
+                              ("jobs", "deadline_at")):
+            key = "batch_id" if table == "jobs" else "id"
+            conn.exec_driver_sql(f"UPDATE {table} SET {column} = {column} - interval '2 hours' "
+                                 f"WHERE {key} = %(b)s", {"b": batch.id})
+    wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
+               or runner.records.get(ApiBatch, owner, batch.id).status  # type: ignore[union-attr]
+               == Status.EXPIRED, 10, 0.2, what="the batch expired")
+    row = runner.records.get(ApiBatch, owner, batch.id)
+    assert row is not None and row.expired_at is not None and row.output_file_id is None
+    assert row.error_file_id is not None
+    lines = [json.loads(x) for x in runner.storage.open(row.error_file_id).read().splitlines()]
+    assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2", "r3"]
+    assert {x["error"]["code"] for x in lines} == {"batch_expired"}
+    runner.stop()
+    runner.client.close()

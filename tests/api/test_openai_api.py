@@ -52,7 +52,8 @@ def lines_of(client: openai.OpenAI, file_id: str) -> list[dict]:
     return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
 
 
-def test_files_to_batch_to_output_with_openai_types(openai_client, start_worker) -> None:  # type: ignore[no-untyped-def]
+def test_files_to_batch_to_output_with_openai_types(openai_client, start_worker,  # type: ignore[no-untyped-def]
+                                                    server: ApiServer) -> None:
     client = openai_client()
     start_worker()
     rows = [chat_row(f"chat-{i}") for i in range(6)]
@@ -93,6 +94,9 @@ def test_files_to_batch_to_output_with_openai_types(openai_client, start_worker)
     assert output_file.bytes == len(client.files.content(done.output_file_id).read())
     listed = {f.id for f in client.files.list()}
     assert {file.id, done.output_file_id} <= listed
+    log = server.log.read_text()  # neither the key nor a prompt reached the server's log
+    assert "GET /v1/batches/" in log  # (it is the log: requests are in it)
+    assert client.api_key[len("kvb-") + 12:] not in log and "say chat-0" not in log
 
 
 def test_completions_endpoint_and_failed_rows_in_the_error_file(openai_client,  # type: ignore[no-untyped-def]
@@ -182,6 +186,10 @@ def test_bad_requests_get_openai_errors(openai_client) -> None:  # type: ignore[
                               completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="fine-tune")
+    with pytest.raises(openai.APIStatusError, match="request body is at most") as err:
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                              completion_window="24h", metadata={"k": "v" * (2 << 20)})
+    assert err.value.status_code == 413
 
 
 def test_keys_see_only_their_own_objects(openai_client, make_key, engine: Engine,  # type: ignore[no-untyped-def]
@@ -269,3 +277,21 @@ def test_uploads_stream_to_storage(openai_client, server: ApiServer, tmp_path: P
     assert (tmp_path / "files" / file.id).stat().st_size == len(data)
     growth_mib = (_peak_rss_kib(server.proc.pid) - before) / 1024
     assert growth_mib < 24, f"the server's peak memory grew {growth_mib:.0f} MiB for a 96 MiB file"
+
+
+def test_a_body_without_a_declared_length_is_limited_too(server: ApiServer, make_key) -> None:  # type: ignore[no-untyped-def]
+    import http.client
+
+    def body():  # type: ignore[no-untyped-def]
+        yield b'{"input_file_id": "'
+        yield b"x" * (1 << 20)
+        yield b'", "endpoint": "/v1/chat/completions", "completion_window": "24h"}'
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/batches", body=body(), encode_chunked=True,
+                 headers={"Authorization": f"Bearer {make_key('c')}",
+                          "Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    response = conn.getresponse()
+    assert response.status == 413
+    assert "request body is at most" in json.loads(response.read())["error"]["message"]
+    conn.close()
