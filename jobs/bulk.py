@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import itertools
 import json
 import sys
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -23,6 +24,8 @@ from typing import IO, Any
 from jobs.rows import Row, RowKind, output_line, parse_row, rejected_line, rejected_row
 from jobs.schemas import JobInfo, JobStatus
 from jobs.sdk import Client
+
+SUBMIT_CHUNK = 5000  # rows read, checked and stored at a time
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,8 @@ class BulkOptions:
         progress: show a progress bar (on stderr).
         strict: a row that cannot run refuses the whole file (nothing is submitted); else it
             gets an error line and the other rows run.
+        wait: follow the jobs and write their results; else return once they are submitted
+            (running the command again collects them).
     """
 
     input: Path
@@ -55,6 +60,7 @@ class BulkOptions:
     webhook_url: str | None = None
     progress: bool = True
     strict: bool = False
+    wait: bool = True
 
 
 @dataclass
@@ -65,6 +71,7 @@ class RunTally:
     failed: int = 0
     generated_tokens: int = 0
     skipped: int = 0  # already in the output before the run
+    submitted: int = 0  # rows stored as jobs (or found stored by an earlier run)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -108,9 +115,10 @@ def record_batch_id(input_path: Path, output: Path, batch_id: str) -> None:
                                                  "input": str(input_path.resolve())}) + "\n")
 
 
-def read_rows(path: Path, strict: bool = True) -> list[Row]:
-    """Rows of a JSONL file (plain or OpenAI batch rows) or of a CSV file (a header with
-    ``prompt``, optionally ``custom_id`` and sampling columns).
+def iter_rows(path: Path, strict: bool = True) -> Iterator[Row]:
+    """The rows of a JSONL file (plain or OpenAI batch rows) or of a CSV file (a header with
+    ``prompt``, optionally ``custom_id`` and sampling columns), read as they are needed: memory
+    holds one line, whatever the file's size.
 
     Args:
         path: the file.
@@ -120,7 +128,7 @@ def read_rows(path: Path, strict: bool = True) -> list[Row]:
     Raises:
         ValueError: naming the line of the first bad row.
     """
-    rows: list[Row] = []
+    index = 0
     with path.open(newline="" if path.suffix == ".csv" else None) as f:
         records: Iterable[tuple[int, Any]]
         if path.suffix == ".csv":
@@ -132,15 +140,23 @@ def read_rows(path: Path, strict: bool = True) -> list[Row]:
             obj = None
             try:
                 obj = json.loads(record) if isinstance(record, str) else record
-                rows.append(parse_row(obj, len(rows)))
+                row = parse_row(obj, index)
             except ValueError as exc:
                 if strict or obj is None:
                     raise ValueError(f"{path}:{line_no}: {exc}") from exc
                 try:
-                    rows.append(rejected_row(obj, len(rows), f"line {line_no}: {exc}"))
+                    row = rejected_row(obj, index, f"line {line_no}: {exc}")
                 except ValueError:
                     raise ValueError(f"{path}:{line_no}: {exc}") from exc
-    return rows
+            index += 1
+            yield row
+
+
+def count_rows(path: Path) -> int:
+    """How many rows ``path`` holds (non-blank lines, less a CSV's header), for progress."""
+    with path.open("rb") as f:
+        lines = sum(1 for line in f if line.strip())
+    return max(lines - (path.suffix == ".csv"), 0)
 
 
 def _custom_id(path: Path, line_no: int, line: str) -> str:
@@ -203,53 +219,70 @@ class OutputFiles:
         self._err.close()
 
 
-def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
-    """Submit the rows not yet in the output and write each result as it completes.
+def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOptions,
+             total: int | None = None) -> RunTally:
+    """Submit the rows not yet in the output, :data:`SUBMIT_CHUNK` at a time as they are read,
+    then (unless ``opts.wait`` is off) write each result as it completes.
+
+    Args:
+        client: the SDK client.
+        rows: gives the rows afresh each call: read once, or twice when ``opts.strict`` (the
+            whole file is checked before anything is stored) or when the output already holds
+            results (they must all be rows of this input).
+        opts: the run.
+        total: how many rows there are, for the progress bar.
 
     Interrupting it (Ctrl-C, a kill) loses nothing: jobs keep running on the workers, and
     the next run with the same options writes what is missing.
     """
     files = OutputFiles(opts.output, opts.errors)
     tally = RunTally()
+    record = batch_id_file(opts.output)
+    previous = record.read_text() if record.exists() else None
+    stored = False
     try:
-        ids = {r.custom_id for r in rows}
-        foreign = sorted(files.done - ids)
-        if foreign:  # its rows with the same custom_id would count as done
-            files.close()
-            _remove(files.created)
-            raise ValueError(f"{opts.output} holds results of rows this input does not have "
-                             f"(custom_id {foreign[0]!r}): give another -o")
-        record = batch_id_file(opts.output)
-        previous = record.read_text() if record.exists() else None
+        _first_pass(client, rows(), files.done, opts)
         if previous is None:
             files.created.append(record)
         # Recorded before the jobs exist: a run killed right after submitting resumes them.
         record_batch_id(opts.input, opts.output, opts.batch_id)
-        todo = [r for r in rows if r.custom_id not in files.done]
-        tally.skipped = len(rows) - len(todo)
-        rejected: dict[str, Row] | None = None if opts.strict else {}
-        try:
-            batch = client.submit_batch(todo, batch_id=opts.batch_id, model=opts.model,
-                                        system_prompt=opts.system_prompt,
-                                        priority=opts.priority, webhook_url=opts.webhook_url,
-                                        rejected=rejected, **opts.defaults)
-        except ValueError:  # refused before anything was stored: leave the files as they were
-            files.close()
-            _remove(files.created)
-            if previous is not None:
-                record.write_text(previous)
-            raise
-        kinds = {batch.job_ids[r.custom_id]: r.kind for r in todo
-                 if r.custom_id in batch.job_ids}
-        whole = len(kinds) == len(batch.job_ids)
-        with _progress(len(rows), tally.skipped, opts.progress) as bar:
-            for row in (rejected or {}).values():  # refused before it became a job
-                files.write_rejected(row)
-                tally.written += 1
-                tally.failed += 1
-                bar.update(1)
-            for info in batch.jobs.follow(list(kinds), batch_id=batch.id if whole else None):
-                files.write(kinds[info.id], info)
+        follow: set[str] = set()
+        kinds: dict[str, RowKind] = {}  # by custom_id, for rows of another kind than the first
+        first_kind: RowKind | None = None
+        with _progress(total, opts.progress) as bar:
+            for chunk in _batched(rows(), SUBMIT_CHUNK):
+                todo = [row for row in chunk if row.custom_id not in files.done]
+                tally.skipped += len(chunk) - len(todo)
+                rejected: dict[str, Row] = {}
+                submitted: Mapping[str, str] = {}
+                if todo:
+                    submitted = client.submit_batch(
+                        todo, batch_id=opts.batch_id, model=opts.model,
+                        system_prompt=opts.system_prompt, priority=opts.priority,
+                        webhook_url=opts.webhook_url,
+                        rejected=None if opts.strict else rejected, **opts.defaults).submitted
+                    stored = True
+                for row in todo:
+                    if row.custom_id in submitted:
+                        follow.add(submitted[row.custom_id])
+                        first_kind = first_kind or row.kind
+                        if row.kind is not first_kind:
+                            kinds[row.custom_id] = row.kind
+                for row in rejected.values():  # refused before it became a job
+                    files.write_rejected(row)
+                    tally.written += 1
+                    tally.failed += 1
+                tally.submitted += len(submitted)
+                bar.update(len(chunk))
+            if not opts.wait:
+                return tally
+            bar.reset(total=tally.submitted + tally.written)
+            bar.update(tally.written)
+            bar.set_description("rows")
+            whole = sum(client.jobs.count_by_status(batch_id=opts.batch_id).values()) \
+                == len(follow)
+            for info in client.jobs.follow(follow, batch_id=opts.batch_id if whole else None):
+                files.write(kinds.get(str(info.custom_id), first_kind or RowKind.PLAIN), info)
                 tally.written += 1
                 tally.failed += info.status is not JobStatus.SUCCEEDED
                 tally.generated_tokens += info.stats.generated_tokens if info.stats else 0
@@ -257,9 +290,49 @@ def run_bulk(client: Client, rows: list[Row], opts: BulkOptions) -> RunTally:
                 elapsed = max(time.monotonic() - tally.started, 1e-9)
                 bar.set_postfix(failed=tally.failed,
                                 tok_s=f"{tally.generated_tokens / elapsed:.1f}", refresh=False)
+    except ValueError:
+        if not stored:  # refused before anything was stored: leave the files as they were
+            files.close()
+            _remove(files.created)
+            if previous is not None:
+                record.write_text(previous)
+        raise
     finally:
         files.close()
     return tally
+
+
+def _first_pass(client: Client, rows: Iterable[Row], done: set[str], opts: BulkOptions) -> None:
+    """Check the whole input before anything is stored: every ``custom_id`` once (it keys the
+    output and the resume), the output holding results of this input's rows only, and under
+    ``opts.strict`` every row (as ``Client.submit_batch`` would, without storing). Memory
+    holds the ids, not the rows.
+
+    Raises:
+        ValueError: naming the first row that cannot run, a repeated ``custom_id``, or a
+            result of another input.
+    """
+    ids: set[str] = set()
+    for chunk in _batched(rows, SUBMIT_CHUNK):
+        for row in chunk:
+            if row.custom_id in ids:
+                raise ValueError(f"custom_id {row.custom_id!r} appears more than once in "
+                                 f"batch {opts.batch_id!r}")
+            ids.add(row.custom_id)
+        if opts.strict:
+            client.check_batch(chunk, batch_id=opts.batch_id, model=opts.model,
+                               system_prompt=opts.system_prompt, priority=opts.priority,
+                               **opts.defaults)
+    foreign = sorted(done - ids)
+    if foreign:  # its rows with the same custom_id would count as done
+        raise ValueError(f"{opts.output} holds results of rows this input does not have "
+                         f"(custom_id {foreign[0]!r}): give another -o")
+
+
+def _batched(rows: Iterable[Row], n: int) -> Iterator[list[Row]]:
+    it = iter(rows)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
 
 
 def _remove(paths: list[Path]) -> None:
@@ -267,8 +340,8 @@ def _remove(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def _progress(total: int, initial: int, enabled: bool):  # type: ignore[no-untyped-def]
+def _progress(total: int | None, enabled: bool):  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, unit="row", desc="rows", file=sys.stderr,
+    return tqdm(total=total, unit="row", desc="submitted", file=sys.stderr,
                 disable=not enabled, dynamic_ncols=True, smoothing=0.1)

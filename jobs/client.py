@@ -117,8 +117,8 @@ class JobClient:
                 (``custom_id`` -> why) instead of refusing the batch.
 
         Returns:
-            ``custom_id`` -> job id for every row of the batch (old and new) but those left
-            out.
+            ``custom_id`` -> job id of every row of ``specs`` (stored before or now) but those
+            left out.
 
         Raises:
             ValueError: a row over a limit (:meth:`check`, its ``custom_id`` named) unless
@@ -131,8 +131,7 @@ class JobClient:
         if dups:
             dup = dups[0]
             raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
-        existing = {cid: job_id for job_id, cid, _ in self.reader.batch_jobs(batch_id)
-                    if cid is not None}
+        existing = self.reader.batch_job_ids_of(batch_id, [str(c) for c in custom_ids])
         new = []
         for spec in (s for s in specs if s.custom_id not in existing):  # all before storing
             try:

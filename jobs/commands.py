@@ -57,6 +57,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         help="refuse the whole file if any row cannot run (default: such a row "
                              "gets an error line and the others run)")
     submit.add_argument("--no-progress", dest="progress", action="store_false")
+    submit.add_argument("--no-wait", dest="wait", action="store_false",
+                        help="return once every row is submitted (run the same command again "
+                             "to collect the results)")
     connection_arguments(submit)
     submit.set_defaults(func=_submit)
 
@@ -116,10 +119,10 @@ def _response_format(path: Path) -> dict[str, Any]:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from jobs.bulk import BulkOptions, read_rows, resume_batch_id, run_bulk
+    from jobs.bulk import BulkOptions, count_rows, iter_rows, resume_batch_id, run_bulk
 
     try:
-        rows = read_rows(args.input, strict=args.strict)
+        total = count_rows(args.input)
         defaults: dict[str, Any] = {
             k: v for k, v in (("max_tokens", args.max_tokens),
                               ("temperature", args.temperature), ("top_p", args.top_p),
@@ -140,15 +143,17 @@ def _submit(args: argparse.Namespace) -> int:
         batch_id=batch_id, model=args.model,
         system_prompt=args.system_prompt, defaults=defaults, priority=args.priority,
         webhook_url=args.webhook_url, progress=args.progress, strict=args.strict,
+        wait=args.wait,
     )
     with _client(args, args.model) as client:
-        print(f"batch {opts.batch_id}: {len(rows)} rows on {opts.model}", file=sys.stderr)
+        print(f"batch {opts.batch_id}: {total} rows on {opts.model}", file=sys.stderr)
         if not client.serves(opts.model):
             print(f"warning: no live worker serves {opts.model!r}; rows wait in the queue "
                   f"until one starts (kvbatch worker --model …)", file=sys.stderr)
         try:
-            tally = run_bulk(client, rows, opts)
-        except ValueError as exc:
+            tally = run_bulk(client, lambda: iter_rows(args.input, strict=args.strict), opts,
+                             total)
+        except (OSError, ValueError) as exc:
             print(f"kvbatch submit: {printable(str(exc))}", file=sys.stderr)
             return EXIT_USAGE
         except KeyboardInterrupt:
@@ -156,6 +161,12 @@ def _submit(args: argparse.Namespace) -> int:
                   "resume", file=sys.stderr)
             return EXIT_INTERRUPTED
         elapsed = time.monotonic() - tally.started
+        if not opts.wait:
+            print(f"{tally.submitted} rows submitted in {elapsed:.1f} s "
+                  f"({tally.submitted / max(elapsed, 1e-9):.0f} rows/s), {tally.skipped} were "
+                  f"already in {opts.output}; run the same command again to collect the "
+                  "results")
+            return 0
         print(f"\n{tally.written} rows written in {elapsed:.1f} s ({tally.failed} did not "
               f"succeed), {tally.skipped} were already in {opts.output}")
         print(format_stats(client.stats(batch_id=opts.batch_id)))

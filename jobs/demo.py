@@ -100,7 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
                            batch_id=batch_id, model=args.model,
                            system_prompt=SYSTEM_PROMPT,
                            defaults={"max_tokens": args.max_tokens, "temperature": 0.0})
-        run_bulk(client, rows, opts)
+        run_bulk(client, lambda: rows, opts, len(rows))
 
         batch = client.batch(batch_id)
         infos = batch.jobs.get_many([batch.job_ids[cid]

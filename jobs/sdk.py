@@ -140,10 +140,13 @@ class BatchHandle:
     """A submitted batch: live counts, results in completion order, cancel."""
 
     def __init__(self, jobs: JobClient, batch_id: str,
-                 job_ids: Mapping[str, str] | None = None) -> None:
+                 job_ids: Mapping[str, str] | None = None,
+                 submitted: Mapping[str, str] | None = None) -> None:
         self.jobs = jobs
         self.id = batch_id
         self._job_ids = dict(job_ids) if job_ids is not None else None
+        # custom_id -> job id of the rows the submission that made this handle named
+        self.submitted: Mapping[str, str] = submitted if submitted is not None else {}
 
     def __repr__(self) -> str:
         return f"BatchHandle({self.id!r})"
@@ -306,6 +309,41 @@ class Client:
                 or (deadline is not None and deadline != current[1])):
             raise ValueError(f"batch {batch_id!r} exists: its webhook and deadline were set by "
                              "its first submission and cannot be changed by another")
+        specs, valid, refused = self._specs(rows, batch_id=batch_id, model=model,
+                                            system_prompt=system_prompt, priority=priority,
+                                            deadline=deadline, rejected=rejected,
+                                            defaults=defaults)
+        over_limit: dict[str, str] | None = None if rejected is None else {}
+        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
+                                         deadline=deadline, over_limit=over_limit)
+        if rejected is not None:
+            rejected |= refused
+            rejected |= {c: replace(valid[c], error=e) for c, e in (over_limit or {}).items()}
+        # A batch that existed holds rows these did not name: its handle reads them all.
+        return BatchHandle(self.jobs, batch_id, job_ids if current is None else None, job_ids)
+
+    def check_batch(self, rows: Iterable[Mapping[str, Any] | Row], *, batch_id: str,
+                    model: str | None = None, system_prompt: str | None = None,
+                    priority: int = 0, deadline: datetime | None = None,
+                    **defaults: Any) -> None:
+        """Check rows as :meth:`submit_batch` does, storing nothing: ``ValueError`` (or
+        pydantic's) names the first that cannot run."""
+        specs, _, _ = self._specs(rows, batch_id=batch_id, model=model,
+                                  system_prompt=system_prompt, priority=priority,
+                                  deadline=deadline, rejected=None, defaults=defaults)
+        for spec in specs:
+            try:
+                self.jobs.check(spec)
+            except ValueError as exc:
+                raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
+
+    def _specs(self, rows: Iterable[Mapping[str, Any] | Row], *, batch_id: str,
+               model: str | None, system_prompt: str | None, priority: int,
+               deadline: datetime | None, rejected: dict[str, Row] | None,
+               defaults: Mapping[str, Any]) -> tuple[list[JobSpec], dict[str, Row],
+                                                      dict[str, Row]]:
+        """(jobs of the rows that can run, those rows by custom_id, the refused rows by
+        custom_id with their errors; with ``rejected`` None a refused row raises)."""
         specs, valid = [], {}
         refused: dict[str, Row] = {}
         for index, raw in enumerate(rows):
@@ -319,7 +357,8 @@ class Client:
                                       priority=priority, deadline=deadline))
                 valid[row.custom_id] = row
             except (ValidationError, ValueError) as exc:
-                error = validation_message(exc) if isinstance(exc, ValidationError) else str(exc)
+                error = (validation_message(exc) if isinstance(exc, ValidationError)
+                         else str(exc))
                 try:  # a row without a custom_id to report it by refuses the batch
                     if rejected is None:
                         raise ValueError(error) from exc
@@ -333,13 +372,7 @@ class Client:
         dup = next((c for c in refused if c in valid), None)
         if dup is not None:
             raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
-        over_limit: dict[str, str] | None = None if rejected is None else {}
-        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
-                                         deadline=deadline, over_limit=over_limit)
-        if rejected is not None:
-            rejected |= refused
-            rejected |= {c: replace(valid[c], error=e) for c, e in (over_limit or {}).items()}
-        return BatchHandle(self.jobs, batch_id, job_ids)
+        return specs, valid, refused
 
     def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (``KeyError`` if unknown).

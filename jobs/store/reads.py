@@ -77,6 +77,19 @@ class JobReader:
             ).all()
         return [(r.id, r.custom_id, JobStatus(r.status)) for r in rows]
 
+    def batch_job_ids_of(self, batch_id: str, custom_ids: Sequence[str],
+                         chunk: int = 1000) -> dict[str, str]:
+        """``custom_id`` -> job id of those of ``custom_ids`` that batch ``batch_id`` holds
+        (one query per ``chunk`` ids)."""
+        found: dict[str, str] = {}
+        with Session(self.engine) as session:
+            for start in range(0, len(custom_ids), chunk):
+                found.update((r.custom_id, r.id) for r in session.execute(
+                    select(Job.custom_id, Job.id).where(
+                        Job.batch_id == batch_id,
+                        Job.custom_id.in_(custom_ids[start:start + chunk]))))
+        return found
+
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
         """(webhook URL, deadline) of batch ``batch_id``; None when there is no such batch."""
         with Session(self.engine) as session:

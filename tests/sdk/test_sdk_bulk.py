@@ -201,12 +201,57 @@ def test_cli_rejects_bad_file_and_cancels(tmp_path: Path, client: Client, cli_ar
     batch = client.submit_batch([{"custom_id": "x", "prompt": "queued"}] * 1, batch_id="c")
     assert main(["cancel", "c", *cli_args]) == 0
     assert batch.counts().cancelled == 1
-    from jobs.bulk import read_rows
+    from jobs.bulk import iter_rows
 
-    rows = read_rows(csv_data)
+    rows = list(iter_rows(csv_data))
     assert [(r.custom_id, r.prompt, r.sampling) for r in rows] == [
         ("a", "hello", {"max_tokens": "3"}), ("b", "world", {})]
     job = client.submit(prompt="lonely", model="nobody-serves")
     assert main(["cancel", job.id, *cli_args]) == 0
     assert job.status() is JobStatus.CANCELLED
     assert main(["cancel", "no-such-id", *cli_args]) == 1
+
+
+def test_submit_streams_in_chunks_and_no_wait_then_collects(tmp_path: Path, client: Client,  # type: ignore[no-untyped-def]
+                                                            start_worker, cli_args: list[str],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys) -> None:
+    import jobs.bulk
+
+    monkeypatch.setattr(jobs.bulk, "SUBMIT_CHUNK", 7)  # 30 rows: five chunks
+    data, out = tmp_path / "data.jsonl", tmp_path / "out.jsonl"
+    rows = [{"custom_id": f"r{i}", "prompt": f"item {i}", "max_tokens": 2} for i in range(30)]
+    repeated = [*rows[:26], {"custom_id": "r3", "prompt": "again"}]  # in the fourth chunk
+    data.write_text("".join(json.dumps(r) + "\n" for r in repeated))
+    argv = ["submit", str(data), "-o", str(out), "--model", MODEL, "--no-progress", *cli_args]
+    assert main(argv) == 2  # refused before a chunk is stored: custom_id keys the output
+    assert "'r3' appears more than once" in capsys.readouterr().err and not out.exists()
+
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([*argv, "--no-wait"]) == 0  # no worker yet: stores, does not wait
+    assert "30 rows submitted" in capsys.readouterr().out
+    batch_id = json.loads((tmp_path / "out.jsonl.batch").read_text())["batch_id"]
+    assert sorted(c for c, _ in _jobs_of(client, batch_id)) == sorted(f"r{i}" for i in range(30))
+    assert _lines(out) == []
+
+    start_worker()
+    assert main(argv) == 0  # the same command collects the results, submitting nothing
+    lines = _lines(out)
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"r{i}" for i in range(30))
+    assert all(x["status"] == "succeeded" for x in lines)
+    assert len(_jobs_of(client, batch_id)) == 30
+
+
+def test_strict_checks_the_whole_file_before_storing(tmp_path: Path, client: Client,
+                                                     cli_args: list[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import jobs.bulk
+
+    monkeypatch.setattr(jobs.bulk, "SUBMIT_CHUNK", 5)
+    data, out = tmp_path / "data.jsonl", tmp_path / "out.jsonl"
+    rows = [{"custom_id": f"r{i}", "prompt": f"item {i}"} for i in range(20)]
+    rows[17]["temperature"] = -1  # in the fourth chunk
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["submit", str(data), "-o", str(out), "--model", MODEL, "--no-progress",
+                 "--strict", "--batch-id", "strict-stream", *cli_args]) == 2
+    assert _jobs_of(client, "strict-stream") == [] and not out.exists()
