@@ -242,6 +242,8 @@ def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOption
     stored = False
     try:
         _first_pass(client, rows(), files.done, opts)
+        # Rows of a batch this run creates are new to it (the first pass saw each once).
+        new_batch = client.jobs.batch_settings(opts.batch_id) is None
         if previous is None:
             files.created.append(record)
         # Recorded before the jobs exist: a run killed right after submitting resumes them.
@@ -259,7 +261,7 @@ def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOption
                     submitted = client.submit_batch(
                         todo, batch_id=opts.batch_id, model=opts.model,
                         system_prompt=opts.system_prompt, priority=opts.priority,
-                        webhook_url=opts.webhook_url,
+                        webhook_url=opts.webhook_url, new_rows=new_batch,
                         rejected=None if opts.strict else rejected, **opts.defaults).submitted
                     stored = True
                 for row in todo:

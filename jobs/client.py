@@ -99,7 +99,8 @@ class JobClient:
 
     def submit_batch(self, batch_id: str, specs: Sequence[JobSpec], chunk_size: int = 1000, *,
                      webhook_url: str | None = None, deadline: datetime | None = None,
-                     over_limit: dict[str, str] | None = None) -> dict[str, str]:
+                     over_limit: dict[str, str] | None = None,
+                     new_rows: bool = False) -> dict[str, str]:
         """Submit the rows of batch ``batch_id`` it does not hold yet; ``custom_id`` is the key.
 
         Rows already in the batch (whatever their status) are neither inserted nor enqueued
@@ -115,6 +116,8 @@ class JobClient:
             deadline: the batch's deadline, likewise.
             over_limit: when given, a new row over a limit is left out and put there
                 (``custom_id`` -> why) instead of refusing the batch.
+            new_rows: the caller knows the batch holds none of these rows (a new batch): they
+                are not looked up.
 
         Returns:
             ``custom_id`` -> job id of every row of ``specs`` (stored before or now) but those
@@ -131,7 +134,8 @@ class JobClient:
         if dups:
             dup = dups[0]
             raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
-        existing = self.reader.batch_job_ids_of(batch_id, [str(c) for c in custom_ids])
+        existing = {} if new_rows else self.reader.batch_job_ids_of(
+            batch_id, [str(c) for c in custom_ids])
         new = []
         for spec in (s for s in specs if s.custom_id not in existing):  # all before storing
             try:
@@ -224,8 +228,12 @@ class JobClient:
         cancelled, running = self.producer.cancel_batch(batch_id, time.time())
         for job_id in running:
             signal_cancel(self.redis, self.keys, job_id)
-        publish_done(self.redis, self.keys,
-                     [(job_id, JobStatus.CANCELLED.value) for job_id in cancelled])
+        for start in range(0, len(cancelled), 1000):
+            publish_done(self.redis, self.keys, [(job_id, JobStatus.CANCELLED.value)
+                                                 for job_id in cancelled[start:start + 1000]])
+        model = self.reader.batch_model(batch_id)
+        if cancelled and model is not None:  # their stream entries would wait for a worker
+            JobQueue(self.redis, model, self.keys).drop(set(cancelled))
         return len(cancelled) + len(running)
 
     def wait(self, job_ids: Sequence[str], timeout_s: float = 60.0,

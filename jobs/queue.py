@@ -9,7 +9,7 @@ consumer without a heartbeat are claimed by live workers, and never those of a l
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -206,6 +206,20 @@ class JobQueue:
         except redis.ResponseError:
             pending = 0
         return max(total - pending, 0), pending
+
+    def drop(self, job_ids: Collection[str], chunk: int = 1000) -> int:
+        """Delete the stream entries of ``job_ids`` (jobs that ended before a worker took them:
+        a cancelled batch's backlog leaves Redis at once); returns how many were deleted."""
+        dropped = 0
+        start = "-"
+        while True:
+            entries = self.client.xrange(self.stream, min=start, max="+", count=chunk)
+            doomed = [e for e, f in entries if f.get(FIELD_ID) in job_ids]
+            if doomed:
+                dropped += int(self.client.xdel(self.stream, *doomed))
+            if len(entries) < chunk:
+                return dropped
+            start = "(" + entries[-1][0]
 
     def job_ids_in_stream(self, chunk: int = 1000) -> set[str]:
         """Ids of all jobs present in the stream (waiting or held by a worker)."""

@@ -11,8 +11,8 @@ CLI's job table its columns.
 from __future__ import annotations
 
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -78,7 +78,15 @@ class ChatMessage(_Strict):
 
 
 def new_job_id() -> str:
-    return uuid.uuid4().hex
+    """32 hex digits laid out as a UUIDv7: milliseconds since the epoch, then 74 random bits.
+    Ids of jobs submitted together are near each other, so inserting a million of them
+    appends to the primary-key index instead of touching pages all over it (a random id made
+    a 1M-row submission slow down as the index outgrew PostgreSQL's buffers)."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10)) & ((1 << 74) - 1)
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 62) << 64 | 0b10 << 62 | (
+        rand & ((1 << 62) - 1))
+    return f"{value:032x}"
 
 
 class JobSpec(_Strict):

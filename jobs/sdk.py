@@ -267,7 +267,7 @@ class Client:
                      system_prompt: str | None = None, priority: int = 0,
                      deadline: datetime | None = None, webhook_url: str | None = None,
                      chunk_size: int = 1000, rejected: dict[str, Row] | None = None,
-                     **defaults: Any) -> BatchHandle:
+                     new_rows: bool = False, **defaults: Any) -> BatchHandle:
         """Submit many rows as one batch, pipelined (one transaction and one Redis pipeline
         per ``chunk_size`` rows). ``custom_id`` is the idempotency key: rows the batch already
         holds are not submitted again, so resubmitting a batch never runs a row twice.
@@ -291,6 +291,8 @@ class Client:
             rejected: when given, a row that cannot run (malformed, invalid, over a limit, or
                 carrying an ``error``) is put there by ``custom_id``, with its ``error``, and
                 the others are submitted; when None, such a row refuses the whole batch.
+            new_rows: none of the rows can be in the batch already (the caller made the batch
+                and submits distinct rows to it in parts): they are not looked up in SQL.
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
         Raises:
@@ -315,7 +317,8 @@ class Client:
                                             defaults=defaults)
         over_limit: dict[str, str] | None = None if rejected is None else {}
         job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
-                                         deadline=deadline, over_limit=over_limit)
+                                         deadline=deadline, over_limit=over_limit,
+                                         new_rows=new_rows or current is None)
         if rejected is not None:
             rejected |= refused
             rejected |= {c: replace(valid[c], error=e) for c, e in (over_limit or {}).items()}

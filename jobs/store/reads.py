@@ -90,6 +90,11 @@ class JobReader:
                         Job.custom_id.in_(custom_ids[start:start + chunk]))))
         return found
 
+    def batch_model(self, batch_id: str) -> str | None:
+        """The model of batch ``batch_id`` (None if there is no such batch)."""
+        with Session(self.engine) as session:
+            return session.scalar(select(Batch.model).where(Batch.id == batch_id))
+
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
         """(webhook URL, deadline) of batch ``batch_id``; None when there is no such batch."""
         with Session(self.engine) as session:
