@@ -123,6 +123,9 @@ def _submit(args: argparse.Namespace) -> int:
 
     try:
         total = count_rows(args.input)
+        if args.strict:  # a malformed line is named before any service is asked for
+            for _ in iter_rows(args.input, strict=True):
+                pass
         defaults: dict[str, Any] = {
             k: v for k, v in (("max_tokens", args.max_tokens),
                               ("temperature", args.temperature), ("top_p", args.top_p),

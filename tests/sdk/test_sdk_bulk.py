@@ -255,3 +255,15 @@ def test_strict_checks_the_whole_file_before_storing(tmp_path: Path, client: Cli
     assert main(["submit", str(data), "-o", str(out), "--model", MODEL, "--no-progress",
                  "--strict", "--batch-id", "strict-stream", *cli_args]) == 2
     assert _jobs_of(client, "strict-stream") == [] and not out.exists()
+
+
+def test_cancelling_a_queued_batch_empties_its_stream(client: Client, redis_client) -> None:  # type: ignore[no-untyped-def]
+    rows = [{"custom_id": f"c{i}", "prompt": f"item {i}"} for i in range(2500)]
+    batch = client.submit_batch(rows, batch_id="to-cancel", model=MODEL)  # no worker
+    stream = client.jobs.keys.stream(MODEL)
+    assert redis_client.xlen(stream) == 2500
+    assert batch.cancel() == 2500  # three pages of the (batch_id, custom_id) index
+    assert batch.counts().cancelled == 2500
+    assert redis_client.xlen(stream) == 0  # no worker needed to clear them
+    ids = sorted(batch.job_ids.values())
+    assert len(set(ids)) == 2500 and all(len(i) == 32 for i in ids)
