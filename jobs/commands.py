@@ -81,11 +81,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     stats.set_defaults(func=_stats)
 
 
+def database_url_argument(parser: argparse.ArgumentParser) -> None:
+    """``--database-url`` (commands that need only the database)."""
+    parser.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
+                                               "sqlite:///kvbatch.db")
+
+
 def connection_arguments(parser: argparse.ArgumentParser) -> None:
     """``--redis-url``, ``--database-url``, ``--key-prefix``."""
     parser.add_argument("--redis-url", help="default $KVBATCH_REDIS_URL, else local Redis")
-    parser.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
-                                               "sqlite:///kvbatch.db")
+    database_url_argument(parser)
     parser.add_argument("--key-prefix", help="default $KVBATCH_KEY_PREFIX, else kvbatch")
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from jobs.api.commands import add_api_commands
-from jobs.commands import add_commands
+from jobs.commands import add_commands, database_url_argument
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
 from jobs.tables import printable
@@ -99,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     db = sub.add_parser("db", help="migrate the SQL schema (upgrade, downgrade, current)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])
     db.add_argument("revision", nargs="?", help="target revision (head / base by default)")
-    db.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
-                                           "sqlite:///kvbatch.db")
+    database_url_argument(db)
     db.set_defaults(func=_db)
 
     for command in sub.choices.values():

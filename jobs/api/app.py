@@ -343,7 +343,6 @@ class _Form:
         except Exception:
             self.storage.delete(self.file_id)
             raise
-        assert isinstance(row, File)
         return row
 
     def discard(self) -> None:

@@ -234,14 +234,17 @@ class BatchRunner:
         return self.records.renew(batch_id, status, self.holder, self.settings.lease_s)
 
     def _follow(self, row: ApiBatch) -> None:
+        counts = self.client.count_by_status(batch_id=row.id)
         if row.status == Status.CANCELLING:
-            self.client.cancel_batch(row.id)
+            if counts.get(JobStatus.QUEUED):  # stored after the cancel, by its validator
+                self.client.cancel_batch(row.id)
+                return
             lease = aware(row.lease_until)
             if lease is not None and lease.timestamp() > time.time():
-                return  # its validator is still storing rows: cancel those too, then finish
+                return  # its validator may still store rows
         elif (expires := aware(row.expires_at)) is not None and expires.timestamp() <= time.time():
             self.maintenance.expire_batches(time.time(), batch_id=row.id)
-        counts = self.client.count_by_status(batch_id=row.id)
+            counts = self.client.count_by_status(batch_id=row.id)
         if any(not s.terminal for s in counts):
             return
         if self.records.move(row.id, [row.status], Status.FINALIZING):

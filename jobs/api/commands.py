@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from jobs.api.settings import ApiSettings
-from jobs.commands import connection_arguments
+from jobs.commands import connection_arguments, database_url_argument
 from jobs.settings import connection_settings
 from jobs.tables import format_table, printable
 
@@ -34,8 +34,7 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     keys = sub.add_parser("keys", help="API keys of kvbatch serve: create, list, revoke")
     keys.add_argument("action", choices=["create", "list", "revoke"])
     keys.add_argument("name", nargs="?", help="create: the key's name; revoke: its id or name")
-    keys.add_argument("--database-url", help="default $KVBATCH_DATABASE_URL, else "
-                                             "sqlite:///kvbatch.db")
+    database_url_argument(keys)
     keys.set_defaults(func=_keys)
 
 

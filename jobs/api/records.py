@@ -33,7 +33,7 @@ class ApiRecords:
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
 
-    def add(self, row: File | ApiBatch) -> File | ApiBatch:
+    def add(self, row: Row) -> Row:
         """Insert ``row`` with the database's time as its ``created_at``."""
         with self.session() as session, session.begin():
             row.created_at = db_now(session)

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from jobs.models import Batch, Job
 from jobs.schemas import JobSpec, JobStatus, Outcome
-from jobs.store.transitions import db_now, end_many, terminalize
+from jobs.store.transitions import ACTIVE, db_now, end_many, terminalize
 
 CANCELLED_UNRUN = "cancelled before it started"
 
@@ -86,15 +86,16 @@ class ProducerStore:
         now, ids of running jobs flagged)."""
         cancelled: list[str] = []
         running: list[str] = []
-        # Pages in custom_id order along the (batch_id, custom_id) index: each page is a range
-        # of it, whatever the batch's size (paging by status made every page walk the rows
-        # earlier pages had ended). A batch's rows always have a custom_id.
+        # Pages in custom_id order along the (batch_id, custom_id) index: each page goes on
+        # where the last ended, whatever the batch's size (paging by status made every page
+        # walk the rows earlier pages had ended). A batch's rows always have a custom_id.
         after = ""
         while True:
             with Session(self.engine) as session, session.begin():
                 rows = session.execute(
                     select(Job.id, Job.status, Job.custom_id)
-                    .where(Job.batch_id == batch_id, Job.custom_id > after)
+                    .where(Job.batch_id == batch_id, Job.custom_id > after,
+                           Job.status.in_(ACTIVE))
                     .order_by(Job.custom_id).limit(limit).with_for_update()
                 ).all()
                 queued = [(r.id, r.status, CANCELLED_UNRUN) for r in rows

@@ -254,7 +254,8 @@ def test_keys_command_prints_a_key_once_and_stores_its_hash(services, engine: En
         stored = conn.exec_driver_sql("SELECT secret_hash FROM api_keys").scalar_one()
     assert key[len("kvb-") + 12:] not in stored and len(stored) == 64
     assert main(["keys", "list", *url]) == 0
-    assert "pipeline" in capsys.readouterr().out and key not in capsys.readouterr().out
+    listed = capsys.readouterr().out
+    assert "pipeline" in listed and key_id in listed and key not in listed
     assert main(["keys", "revoke", key_id, *url]) == 0
     assert store.authenticate(key) is None
     assert main(["keys", "revoke", key_id, *url]) == 1  # nothing left to revoke
