@@ -20,12 +20,13 @@ from sqlalchemy import Engine
 
 from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL, Keys
 from jobs.db import as_engine, require_database
+from jobs.feed import Feeder
 from jobs.follow import Follower
 from jobs.limits import JobLimits
 from jobs.queue import JobQueue, live_workers, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
 from jobs.stats import Stats, aggregate
-from jobs.store import JobReader, ProducerStore
+from jobs.store import FeedStore, JobReader, ProducerStore
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class JobClient:
         self.engine = as_engine(database)
         self.producer = ProducerStore(self.engine)
         self.reader = JobReader(self.engine)
+        self.feed_store = FeedStore(self.engine)
+        self._feeders: dict[str, Feeder] = {}
         self.limits = JobLimits()
 
     def close(self) -> None:
@@ -83,19 +86,40 @@ class JobClient:
 
     def store(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
               deadline: datetime | None = None) -> None:
-        """Insert checked ``specs`` (one transaction), then add them to their streams; a new
-        batch row takes ``webhook_url`` and ``deadline``. Callers check first (:meth:`check`)."""
-        self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline)
+        """Insert checked ``specs`` (one transaction) and hand them to the workers; a new
+        batch row takes ``webhook_url`` and ``deadline``. Callers check first (:meth:`check`).
+
+        Jobs of a model whose stream has room for them, with no backlog in SQL, go to the
+        stream at once; otherwise they join the backlog and the feeder (``jobs.feed``) moves
+        them when there is room, in priority and fair-share order."""
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)
+        direct = {model for model, group in by_model.items() if self._has_room(model, len(group))}
+        self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline, fed=direct)
         for model, group in by_model.items():
-            queue = JobQueue(self.redis, model, self.keys)
+            feeder = self._feeder(model)
             try:
-                queue.ensure_group()
-                queue.enqueue(group)
+                if model in direct:
+                    feeder.queue.ensure_group()
+                    feeder.queue.enqueue(group)
+                else:
+                    feeder.feed()
             except redis.RedisError as exc:
-                log.warning("jobs stored but not enqueued (%s); the reconciler will", exc)
+                log.warning("jobs stored but not enqueued (%s); the workers will", exc)
+
+    def _feeder(self, model: str) -> Feeder:
+        if model not in self._feeders:
+            self._feeders[model] = Feeder(JobQueue(self.redis, model, self.keys), self.feed_store)
+        return self._feeders[model]
+
+    def _has_room(self, model: str, n: int) -> bool:
+        """Whether ``n`` new jobs of ``model`` can skip the backlog: the window has room for
+        them and nothing of the model waits in SQL (which would then be overtaken)."""
+        try:
+            return self._feeder(model).room() >= n and not self.feed_store.has_backlog(model)
+        except redis.RedisError:
+            return False
 
     def submit_batch(self, batch_id: str, specs: Sequence[JobSpec], chunk_size: int = 1000, *,
                      webhook_url: str | None = None, deadline: datetime | None = None,

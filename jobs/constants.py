@@ -83,3 +83,11 @@ class Keys:
     def reconcile_lock(self, model: str) -> str:
         """Held by the one worker reconciling ``model``'s stream against SQL."""
         return f"{self.prefix}:lock:reconcile:{model}"
+
+    def feed_lock(self, model: str) -> str:
+        """Held by the one process moving jobs of ``model`` from the SQL backlog to its stream."""
+        return f"{self.prefix}:lock:feed:{model}"
+
+    def feed_windows(self, model: str) -> str:
+        """Hash of worker id -> how many jobs of ``model`` it wants kept in the stream."""
+        return f"{self.prefix}:window:{model}"

@@ -25,6 +25,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -34,6 +35,11 @@ from jobs.schemas import BatchStatus, JobStats, JobStatus, is_bytes
 def status_check(column: str, statuses: type[JobStatus] | type[BatchStatus]) -> str:
     """The SQL CHECK that ``column`` holds one of ``statuses``."""
     return f"{column} IN ({', '.join(repr(s.value) for s in statuses)})"
+
+
+# The partial indexes' conditions (migration 0004 declares the same).
+BACKLOG = "status = 'queued' AND fed_at IS NULL"
+FED = "fed_at IS NOT NULL AND status IN ('queued', 'running')"
 
 
 class Base(DeclarativeBase):
@@ -73,6 +79,10 @@ class Job(Base):
         Index("ix_jobs_created_at", "created_at"),
         Index("ix_jobs_finished_at", "finished_at"),
         Index("uq_jobs_batch_custom_id", "batch_id", "custom_id", unique=True),
+        # The backlog in the feeder's order, and the fed active jobs (jobs.feed).
+        Index("ix_jobs_backlog", "model", "priority", "batch_id", "id",
+              postgresql_where=text(BACKLOG), sqlite_where=text(BACKLOG)),
+        Index("ix_jobs_fed", "model", "id", postgresql_where=text(FED), sqlite_where=text(FED)),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -88,6 +98,9 @@ class Job(Base):
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When the job was handed to its model's stream (the bounded window); NULL while it waits
+    # in the SQL backlog.
+    fed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Deliveries to a worker, counted here so they survive crashes and Redis restarts.

@@ -92,16 +92,42 @@ class JobQueue:
         pipe.xdel(self.stream, *ids)
         pipe.execute()
 
-    def heartbeat(self, worker_id: str, lease_ttl_ms: int) -> None:
-        """Renew ``worker_id``'s lease on the entries it holds."""
+    def heartbeat(self, worker_id: str, lease_ttl_ms: int, window: int = 0) -> None:
+        """Renew ``worker_id``'s lease on the entries it holds; ``window`` is how many jobs it
+        wants kept in the stream for it (see :meth:`window`)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(worker_id), self.model, px=lease_ttl_ms)
         pipe.hset(self.keys.workers(), worker_id, self.model)
+        pipe.hset(self.keys.feed_windows(self.model), worker_id, window)
         pipe.execute()
 
     def drop_heartbeat(self, worker_id: str) -> None:
         """End the lease now, so live workers claim what ``worker_id`` still holds."""
-        self.client.delete(self.keys.heartbeat(worker_id))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.keys.heartbeat(worker_id))
+        pipe.hdel(self.keys.feed_windows(self.model), worker_id)
+        pipe.execute()
+
+    def window(self, floor: int) -> int:
+        """How many entries the stream should hold (waiting or held): what the live workers
+        asked for together, or ``floor`` while none is live. Dead workers' requests are
+        dropped here."""
+        wanted = self.client.hgetall(self.keys.feed_windows(self.model))
+        if not wanted:
+            return floor
+        pipe = self.client.pipeline(transaction=False)
+        for name in wanted:
+            pipe.exists(self.keys.heartbeat(name))
+        alive = dict(zip(wanted, pipe.execute(), strict=True))
+        dead = [n for n, hit in alive.items() if not hit]
+        if dead:
+            self.client.hdel(self.keys.feed_windows(self.model), *dead)
+        live = [int(wanted[n]) for n, hit in alive.items() if hit]
+        return sum(live) if live else floor
+
+    def length(self) -> int:
+        """Entries in the stream: waiting, or held by a worker."""
+        return int(self.client.xlen(self.stream))
 
     def own_pending(self, consumer: str, page_size: int = 1000) -> list[str]:
         """Entry ids pending on ``consumer``: after a restart under the same worker id, the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -77,13 +78,24 @@ class ChatMessage(_Strict):
     content: str
 
 
+_id_lock = threading.Lock()
+_id_last = [0, 0]  # (milliseconds, random part) of this process's last id
+
+
 def new_job_id() -> str:
-    """32 hex digits laid out as a UUIDv7: milliseconds since the epoch, then 74 random bits.
-    Ids of jobs submitted together are near each other, so inserting a million of them
-    appends to the primary-key index instead of touching pages all over it (a random id made
-    a 1M-row submission slow down as the index outgrew PostgreSQL's buffers)."""
-    ms = time.time_ns() // 1_000_000
-    rand = int.from_bytes(os.urandom(10)) & ((1 << 74) - 1)
+    """32 hex digits laid out as a UUIDv7: milliseconds since the epoch, then 74 bits that are
+    random at each new millisecond and counted up within one (RFC 9562's monotonic random),
+    so a process's ids increase in the order it made them: the feeder serves a batch oldest
+    first by id. Ids of jobs submitted together are near each other, so inserting a million of
+    them appends to the primary-key index instead of touching pages all over it (a random id
+    made a 1M-row submission slow down as the index outgrew PostgreSQL's buffers)."""
+    with _id_lock:
+        ms = max(time.time_ns() // 1_000_000, _id_last[0])  # never back with the clock
+        if ms > _id_last[0]:
+            rand = int.from_bytes(os.urandom(10)) & ((1 << 73) - 1)  # room to count up
+        else:
+            rand = _id_last[1] + 1
+        _id_last[:] = [ms, rand]
     value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 62) << 64 | 0b10 << 62 | (
         rand & ((1 << 62) - 1))
     return f"{value:032x}"

@@ -21,12 +21,14 @@ log = logging.getLogger(__name__)
 
 class Heartbeat:
     """Renews ``worker_id``'s heartbeat every ``lease_ttl_s / 3`` while the loop makes
-    progress (calls :meth:`progress`) at least every ``stall_s``."""
+    progress (calls :meth:`progress`) at least every ``stall_s``; each beat also asks for
+    ``window`` jobs in the stream (``jobs.feed``)."""
 
     def __init__(self, queue: JobQueue, worker_id: str, lease_ttl_s: float,
-                 stall_s: float) -> None:
+                 stall_s: float, window: int) -> None:
         self.queue = queue
         self.worker_id = worker_id
+        self.window = window
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.interval_s = lease_ttl_s / 3
         self.stall_s = stall_s
@@ -35,7 +37,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms)
+        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window)
         self._thread.start()
 
     def progress(self) -> None:
@@ -58,6 +60,6 @@ class Heartbeat:
                 continue
             stalled = False
             try:
-                self.queue.heartbeat(self.worker_id, self.lease_ttl_ms)
+                self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window)
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)

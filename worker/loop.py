@@ -11,10 +11,11 @@ One pass of :meth:`Worker.tick` is a visible pipeline::
 The result writer (``worker/persist.py``) stores finished jobs on a thread of its own (one SQL
 transaction for what gathered, then XACK and completion notices), so the next pass pulls
 while the last results are written. Other I/O happens on this thread, except the lease
-(``worker/heartbeat.py``) and the reconciler (``worker/maintenance.py``), which have their own
-threads so a slow pass never costs the worker its jobs. A failing database or Redis only
-delays work: undecided deliveries, unsaved results and owed Redis writes are retried with
-backoff, and nothing is acknowledged before it is stored.
+(``worker/heartbeat.py``) and the queue's upkeep (``worker/maintenance.py``: feeding the
+stream from the SQL backlog, reconciling), which have their own threads so a slow pass never
+costs the worker its jobs. A failing database or Redis only delays work: undecided
+deliveries, unsaved results and owed Redis writes are retried with backoff, and nothing is
+acknowledged before it is stored.
 """
 
 from __future__ import annotations
@@ -33,15 +34,16 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.constants import Keys
 from jobs.db import make_engine
+from jobs.feed import Feeder
 from jobs.limits import JobLimits
 from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
-from jobs.store import DeliveryStore, MaintenanceStore
+from jobs.store import DeliveryStore, FeedStore, MaintenanceStore
 from worker.engine_process import EngineProcess
 from worker.engine_thread import Abort, Add, Crashed, Engine, EngineThread, Rejected, Stepped
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
-from worker.maintenance import ReconcilerThread
+from worker.maintenance import UpkeepThread
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
@@ -117,11 +119,11 @@ class Worker:
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
         self.results = ResultWriter(self.deliveries, self.worker_id, self.queue, self.metrics)
-        self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S)
-        self.reconciler = ReconcilerThread(MaintenanceStore(self.database), self.queue,
-                                           self.worker_id,
-                                           s.reconcile_interval_s, s.reconcile_grace_s,
-                                           self.metrics)
+        self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
+                                   s.window)
+        self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.database)),
+                                   MaintenanceStore(self.database), self.worker_id,
+                                   s.reconcile_interval_s, s.reconcile_grace_s, self.metrics)
         self.limits = JobLimits()
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
                              self.metrics, self.limits, worker_id=self.worker_id,
@@ -153,7 +155,7 @@ class Worker:
         self.queue.ensure_group()
         self.intake.take_back_own()
         self.heartbeat.start()
-        self.reconciler.start()
+        self.upkeep.start()
         self.engine.start()
         self.results.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
@@ -163,7 +165,7 @@ class Worker:
                     self._drain_until = 0.0
                 if self._stop.is_set() and self._drain_until is None:
                     self._drain_until = time.time() + self.settings.drain_timeout_s
-                    self.reconciler.stop()
+                    self.upkeep.stop()
                     log.info("draining %d jobs (up to %.0fs)", len(self.held),
                              self.settings.drain_timeout_s)
                 if self.draining and not self._busy():
@@ -183,7 +185,7 @@ class Worker:
 
     def _close(self) -> None:
         self.results.last_flush()  # acks still owed (Redis was down) get one more try
-        self.reconciler.stop()
+        self.upkeep.stop()
         self.heartbeat.stop()
         self.engine.stop()
         with contextlib.suppress(redis.RedisError):
@@ -224,6 +226,7 @@ class Worker:
         if not self.draining:
             idle = not self.held  # the writer stores results on its own thread meanwhile
             self.intake.pull(now, self.free_capacity(), self.held, idle)
+            self.upkeep.wake()  # acks since the last pass made room in the window
         if now >= self._depth_at:
             waiting, _ = self.queue.depth()
             self.metrics.queue_depth.set(waiting)

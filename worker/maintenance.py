@@ -1,15 +1,17 @@
-"""The reconciler, run from its own thread so that a long pass (a large backlog to compare
-against the stream) never delays the worker loop or its lease."""
+"""The worker's queue upkeep, on its own thread so that a slow pass (a slow database, a large
+backlog) never delays the worker loop or its lease: it feeds the model's stream from the SQL
+backlog (``jobs.feed``) and reconciles the stream against SQL (``jobs.reconcile``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobs.queue import JobQueue
+from jobs.feed import Feeder
 from jobs.reconcile import reconcile
 from jobs.schemas import JobStatus
 from jobs.store import MaintenanceStore
@@ -18,26 +20,37 @@ from worker.retry import short_error
 
 log = logging.getLogger(__name__)
 
+FEED_INTERVAL_S = 1.0  # the longest wait between feeds; the loop's pulls wake it sooner
+FEED_GAP_S = 0.05  # the shortest: the loop wakes it on every pass
 
-class ReconcilerThread:
-    """Every ``interval_s`` (and once at start), if no other worker of the model holds the
-    reconcile lock, run :func:`jobs.reconcile.reconcile`."""
 
-    def __init__(self, store: MaintenanceStore, queue: JobQueue, worker_id: str, interval_s: float,
-                 grace_s: float, metrics: WorkerMetrics) -> None:
-        self.store, self.queue, self.worker_id = store, queue, worker_id
-        self.interval_s, self.grace_s = interval_s, grace_s
+class UpkeepThread:
+    """Feeds after every :meth:`wake` and at least every :data:`FEED_INTERVAL_S`; every
+    ``reconcile_interval_s`` (and once at start), if no other worker of the model holds the
+    reconcile lock, runs :func:`jobs.reconcile.reconcile` first."""
+
+    def __init__(self, feeder: Feeder, store: MaintenanceStore, worker_id: str,
+                 reconcile_interval_s: float, grace_s: float, metrics: WorkerMetrics) -> None:
+        self.feeder, self.store, self.worker_id = feeder, store, worker_id
+        self.queue = feeder.queue
+        self.interval_s, self.grace_s = reconcile_interval_s, grace_s
         self.metrics = metrics
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="upkeep", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
-    def run_once(self) -> None:
+    def wake(self) -> None:
+        """The stream lost entries (this worker pulled): feed now."""
+        self._wake.set()
+
+    def reconcile_once(self) -> None:
         lock = self.queue.client.set(self.queue.keys.reconcile_lock(self.queue.model),
                                      self.worker_id, nx=True, px=int(self.interval_s * 1000))
         if not lock:
@@ -47,11 +60,17 @@ class ReconcilerThread:
             self.metrics.job_finished(JobStatus.EXPIRED.value)
 
     def _run(self) -> None:
+        reconcile_at = 0.0
         while not self._stop.is_set():
+            self._wake.clear()
             try:
-                self.run_once()
+                if time.monotonic() >= reconcile_at:
+                    reconcile_at = time.monotonic() + self.interval_s
+                    self.reconcile_once()
+                self.feeder.feed()
             except (SQLAlchemyError, redis.RedisError) as exc:
-                log.warning("reconciler skipped: %s", short_error(exc))
-            except Exception:  # never let a bug here end reconciliation silently
-                log.exception("reconciler pass failed")
-            self._stop.wait(self.interval_s)
+                log.warning("queue upkeep skipped: %s", short_error(exc))
+            except Exception:  # never let a bug here end feeding silently
+                log.exception("queue upkeep pass failed")
+            self._stop.wait(FEED_GAP_S)
+            self._wake.wait(FEED_INTERVAL_S)

@@ -80,6 +80,9 @@ class WorkerSettings(ConnectionSettings):
                                 description="deliveries before dead-lettering")
     drain_timeout_s: float = Field(30.0, ge=0, description="on shutdown, time to finish "
                                                            "in-flight jobs")
+    feed_window: int | None = Field(None, ge=1, description="jobs kept in the model's Redis "
+                                    "stream for this worker, from the SQL backlog (default: "
+                                    "2 x (max_num_seqs + waiting_buffer))")
     reconcile_interval_s: float = Field(30.0, gt=0, description="how often SQL and the "
                                                                 "stream are compared")
     reconcile_grace_s: float = Field(10.0, ge=0, description="reconciler leaves younger "
@@ -112,6 +115,11 @@ class WorkerSettings(ConnectionSettings):
     def capacity(self) -> int:
         """Most jobs the worker holds at once."""
         return self.engine.max_num_seqs + self.waiting_buffer
+
+    @property
+    def window(self) -> int:
+        """Jobs this worker wants kept in the stream (held or waiting): ``--feed-window``."""
+        return self.feed_window or 2 * self.capacity
 
 
 WORKER_FIELDS = tuple(name for name in WorkerSettings.model_fields if name != "engine")

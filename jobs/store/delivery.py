@@ -103,6 +103,8 @@ class DeliveryStore:
                         attempts=Job.attempts + 1,
                         worker_id=worker_id,
                         started_at=func.coalesce(Job.started_at, to_dt(now_s)),
+                        # an entry added to the stream by other means than the feeder
+                        fed_at=func.coalesce(Job.fed_at, to_dt(now_s)),
                     )
                 )
         return decisions

@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
-from sqlalchemy import Engine, delete, null, select, update
+from sqlalchemy import Engine, delete, null, select, text, update
 from sqlalchemy.orm import Session
 
-from jobs.models import Batch, Job, JobMetrics
+from jobs.models import FED, Batch, Job, JobMetrics
 from jobs.schemas import BatchStatus, JobSpec, JobStatus
+from jobs.store.feed import parse_specs
 from jobs.store.transitions import ACTIVE, EXPIRED_ERROR, db_now, end_many, to_dt
 
 
@@ -24,8 +25,10 @@ class MaintenanceStore:
 
     def active_jobs(self, model: str, older_than_s: float,
                     page_size: int = 1000) -> Iterator[list[tuple[str, str, str | None]]]:
-        """Pages of (id, status, worker_id) of queued/running jobs of ``model`` created more
-        than ``older_than_s`` ago by the database's clock, in id order (one query per page)."""
+        """Pages of (id, status, worker_id) of the queued/running jobs of ``model`` fed to its
+        stream more than ``older_than_s`` ago by the database's clock, in id order (one query
+        per page along the partial index ``ix_jobs_fed``: the backlog not yet fed is not read,
+        however large)."""
         with Session(self.engine) as session:
             cutoff = db_now(session) - timedelta(seconds=older_than_s)
         after = ""
@@ -33,8 +36,7 @@ class MaintenanceStore:
             with Session(self.engine) as session:
                 rows = session.execute(
                     select(Job.id, Job.status, Job.worker_id).where(
-                        Job.model == model, Job.status.in_(ACTIVE),
-                        Job.created_at < cutoff, Job.id > after,
+                        Job.model == model, text(FED), Job.fed_at < cutoff, Job.id > after,
                     ).order_by(Job.id).limit(page_size)
                 ).all()
             if rows:
@@ -49,13 +51,7 @@ class MaintenanceStore:
         that would stop a reconciler or reaper pass."""
         with Session(self.engine) as session:
             rows = session.execute(select(Job.id, Job.spec).where(Job.id.in_(job_ids))).all()
-        specs, invalid = [], {}
-        for row in rows:
-            try:
-                specs.append(JobSpec.model_validate(row.spec))
-            except ValueError as exc:
-                invalid[row.id] = " ".join(str(exc).split())[:500]
-        return specs, invalid
+        return parse_specs(rows)
 
     def fail(self, errors: dict[str, str], now_s: float) -> list[str]:
         """Fail the active jobs among ``errors`` (id -> reason); return those failed now."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,10 +23,12 @@ class ProducerStore:
         self.engine = engine
 
     def insert_jobs(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
-                    deadline: datetime | None = None) -> None:
+                    deadline: datetime | None = None, fed: Collection[str] = ()) -> None:
         """Insert ``specs`` as queued jobs in one transaction, creating missing batch rows with
         ``webhook_url`` and ``deadline``: a batch's settings are those of the submission that
-        created it (an existing batch keeps its own)."""
+        created it (an existing batch keeps its own). Jobs of the models in ``fed`` are marked
+        fed (the caller adds them to their streams); the others join the backlog
+        (``jobs.feed``)."""
         if not specs:
             return
         with Session(self.engine) as session, session.begin():
@@ -46,7 +48,8 @@ class ProducerStore:
                                     .values(num_jobs=Batch.num_jobs + n))
             # A Core insert of the table (executemany, which psycopg pipelines): the ORM's bulk
             # path costs about a third more per row here.
-            session.execute(insert(Job.__table__), [_job_row(s, now) for s in specs])
+            session.execute(insert(Job.__table__),
+                            [_job_row(s, now, s.model in fed) for s in specs])
 
     def configure_batch(self, batch_id: str, *, webhook_url: str | None = None,
                         deadline: datetime | None = None) -> None:
@@ -112,7 +115,7 @@ class ProducerStore:
             after = rows[-1].custom_id
 
 
-def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
+def _job_row(spec: JobSpec, created_at: datetime, fed: bool) -> dict[str, Any]:
     """The ``jobs`` row of a new job, by column name."""
     return {
         "id": spec.id,
@@ -125,6 +128,7 @@ def _job_row(spec: JobSpec, created_at: datetime) -> dict[str, Any]:
         "metadata": spec.metadata,  # the column (the model's attribute is ``meta``)
         "created_at": created_at,  # the database's clock: the reconciler's grace uses it
         "deadline_at": spec.deadline,
+        "fed_at": created_at if fed else None,
         "attempts": 0,
         "cancel_requested": False,
     }

@@ -44,7 +44,8 @@ def test_models_match_migrations(sql_engine: sa.Engine) -> None:
         migrated = {c["name"] for c in insp.get_columns(table.name)}
         assert migrated == {c.name for c in table.columns}, table.name
     indexes = {i["name"] for i in insp.get_indexes("jobs")}
-    assert {"ix_jobs_status_model", "ix_jobs_batch_status", "ix_jobs_finished_at"} <= indexes
+    assert {"ix_jobs_status_model", "ix_jobs_batch_status", "ix_jobs_finished_at",
+            "ix_jobs_backlog", "ix_jobs_fed"} <= indexes
 
 
 def test_migrations_dir_is_found() -> None:

@@ -117,7 +117,7 @@ def test_reconciler_fails_stored_jobs_that_no_longer_validate(
     stopping the pass or staying queued forever."""
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     good, old = JobSpec(model="m", prompt="fine"), JobSpec(model="m", prompt="old")
-    SQL(client.engine).insert_jobs([good, old])
+    SQL(client.engine).insert_jobs([good, old], fed=["m"])  # fed, their XADD lost
     with pg_engine.begin() as conn:  # as an older kvbatch stored it: a top_k now refused
         spec = {**old.model_dump(mode="json"), "sampling": {"top_k": 2**40}}
         conn.execute(sa.text("UPDATE jobs SET spec = :spec WHERE id = :id"),

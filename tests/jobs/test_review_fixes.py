@@ -92,7 +92,7 @@ def test_lease_survives_a_stalled_loop(
 def test_heartbeat_lapses_when_the_loop_is_stuck(redis_client: redis.Redis, keys: Keys,
                                                  wait_for) -> None:  # type: ignore[no-untyped-def]
     q = JobQueue(redis_client, MODEL, keys)
-    beat = Heartbeat(q, "stuck", lease_ttl_s=0.6, stall_s=0.5)
+    beat = Heartbeat(q, "stuck", lease_ttl_s=0.6, stall_s=0.5, window=10)
     beat.start()
     try:
         time.sleep(0.3)
