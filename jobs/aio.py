@@ -1,10 +1,10 @@
 """The asyncio twin of :mod:`jobs.sdk`: the same calls, awaitable.
 
-Waiting listens on the done channel with ``redis.asyncio`` through one subscription per client
-(no thread and no connection per waiter); SQL reads
-and submissions run the sync client's code in a worker thread (``asyncio.to_thread``), so
-both clients share one implementation of every rule (validation, idempotent batches,
-completion order).
+Waiting goes through the sync client's :class:`~jobs.follow.NoticeHub`: one done-channel
+subscription and one batched SQL poll per client, whatever the number of concurrent waiters
+(each is woken on the event loop when one of its jobs ends). SQL reads and submissions run the
+sync client's code in a worker thread (``asyncio.to_thread``), so both clients share one
+implementation of every rule (validation, idempotent batches, completion order).
 """
 
 from __future__ import annotations
@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-import redis.asyncio as aioredis
-
 from jobs.constants import DEFAULT_MODEL
-from jobs.follow import Follower, done_job_id
+from jobs.follow import Follower
 from jobs.rows import Row
 from jobs.schemas import JobInfo, JobResult, JobStatus
 from jobs.sdk import BatchCounts, BatchHandle, Client, JobHandle, result_of
@@ -142,8 +139,6 @@ class AsyncClient:
         self.sync = Client(conn.redis_url, conn.database_url, key_prefix=conn.key_prefix,
                            model=model)
         self.jobs = self.sync.jobs  # what the sync twin's calls run on, in worker threads
-        self.redis = aioredis.Redis.from_url(conn.redis_url, decode_responses=True)
-        self._notices = _Notices(self.redis, self.jobs.done_channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -153,8 +148,6 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Release the Redis and database connections."""
-        await self._notices.aclose()
-        await self.redis.aclose()
         await asyncio.to_thread(self.sync.close)
 
     async def submit(self, prompt: str | None = None, **kwargs: Any) -> AsyncJobHandle:
@@ -244,8 +237,10 @@ class AsyncClient:
     async def _drive(self, follower: Follower,
                      take: Callable[[], Iterable[T]]) -> AsyncIterator[T]:
         """Yield what ``take`` finds (on a thread: it reads SQL) until ``follower`` has
-        nothing pending, woken by the shared subscription between polls."""
-        noticed = await self._notices.add(follower)  # subscribed before the first read of SQL
+        nothing pending, woken by the client's notice hub between polls."""
+        loop = asyncio.get_running_loop()
+        noticed = asyncio.Event()
+        self.jobs.notices.add(follower, lambda: loop.call_soon_threadsafe(noticed.set))
         try:
             while True:
                 for item in await asyncio.to_thread(take):
@@ -258,61 +253,5 @@ class AsyncClient:
                     await asyncio.wait_for(noticed.wait(), follower.wait_s())
                 noticed.clear()
         finally:
-            self._notices.remove(follower)
+            self.jobs.notices.remove(follower)
 
-
-class _Notices:
-    """One subscription to the done channel per client, shared by every ``follow()``: thousands
-    of concurrent waiters hold one Redis connection, not one each. A message wakes only the
-    followers of the job it names. If the subscription breaks (Redis restarts), followers
-    carry on by polling SQL, and the next ``follow()`` subscribes again."""
-
-    def __init__(self, redis: aioredis.Redis, channel: str) -> None:
-        self.redis, self.channel = redis, channel
-        self._by_job: dict[str, dict[int, tuple[Follower, asyncio.Event]]] = defaultdict(dict)
-        self._jobs_of: dict[int, list[str]] = {}  # follower -> the job ids it registered
-        self._pubsub: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()
-
-    async def add(self, follower: Follower) -> asyncio.Event:
-        """Start delivering notices for ``follower``'s jobs; its event is set on each one."""
-        async with self._lock:
-            if self._task is None or self._task.done():
-                await self._close_pubsub()
-                self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-                await self._pubsub.subscribe(self.channel)
-                self._task = asyncio.create_task(self._run(self._pubsub))
-        event = asyncio.Event()
-        self._jobs_of[id(follower)] = list(follower.pending)
-        for job_id in follower.pending:
-            self._by_job[job_id][id(follower)] = (follower, event)
-        return event
-
-    def remove(self, follower: Follower) -> None:
-        for job_id in self._jobs_of.pop(id(follower), []):
-            waiting = self._by_job.get(job_id)
-            if waiting is not None:
-                waiting.pop(id(follower), None)
-                if not waiting:
-                    del self._by_job[job_id]
-
-    async def _run(self, pubsub: Any) -> None:
-        while True:
-            job_id = done_job_id(await pubsub.get_message(timeout=1.0))
-            for follower, event in self._by_job.get(job_id or "", {}).values():
-                follower.notice_id(job_id or "")
-                event.set()
-
-    async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        await self._close_pubsub()
-
-    async def _close_pubsub(self) -> None:
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
-            self._pubsub = None

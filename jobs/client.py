@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -21,7 +22,7 @@ from sqlalchemy import Engine
 from jobs.constants import DEFAULT_DATABASE_URL, DEFAULT_KEY_PREFIX, DEFAULT_REDIS_URL, Keys
 from jobs.db import as_engine, require_database
 from jobs.feed import Feeder
-from jobs.follow import Follower
+from jobs.follow import Follower, NoticeHub
 from jobs.limits import JobLimits
 from jobs.queue import JobQueue, live_workers, publish_done, signal_cancel
 from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
@@ -58,11 +59,13 @@ class JobClient:
         self.producer = ProducerStore(self.engine)
         self.reader = JobReader(self.engine)
         self.feed_store = FeedStore(self.engine)
+        self.notices = NoticeHub(self.redis, self.keys.done_channel(), self.reader)
         self._feeders: dict[str, Feeder] = {}
         self.limits = JobLimits()
 
     def close(self) -> None:
         """Release the Redis and database connections."""
+        self.notices.close()
         self.redis.close()
         self.engine.dispose()
 
@@ -289,10 +292,10 @@ class JobClient:
         yield from self._drive(follower, follower.take)
 
     def _drive(self, follower: Follower, take: Callable[[], Iterable[T]]) -> Iterator[T]:
-        """Yield what ``take`` finds until ``follower`` has nothing pending, woken by the done
-        channel between polls."""
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(self.done_channel)  # before the first read of SQL
+        """Yield what ``take`` finds until ``follower`` has nothing pending, woken by the
+        client's :class:`~jobs.follow.NoticeHub` between polls."""
+        woken = threading.Event()
+        self.notices.add(follower, woken.set)
         try:
             while True:
                 yield from take()
@@ -300,9 +303,7 @@ class JobClient:
                     return
                 if follower.expired():
                     raise TimeoutError(f"{len(follower.pending)} jobs not finished in time")
-                message = pubsub.get_message(timeout=follower.wait_s())
-                while message is not None:
-                    follower.notice(message)
-                    message = pubsub.get_message(timeout=0)
+                woken.wait(follower.wait_s())
+                woken.clear()  # what woke it is recorded on the follower, for take()
         finally:
-            pubsub.close()
+            self.notices.remove(follower)

@@ -1,21 +1,35 @@
 """Following jobs to their end: the bookkeeping shared by the sync and async clients.
 
 Workers store a job's result in SQL, then publish ``{"id", "status"}`` on the done channel.
-A follower subscribes first, then reads SQL: jobs the channel names are read at once, and a
-poll every ``poll_interval_s`` catches what the channel missed (a waiter that subscribed
-late, a worker that died between commit and publish). The drivers (:meth:`JobClient.follow`,
-``AsyncClient``) only move messages and call :meth:`Follower.take`.
+Each client holds one :class:`NoticeHub`: one subscription to the channel and one SQL poll
+for all its followers (threads of a sync client, tasks of an async one), so ten thousand
+concurrent waits cost one Redis connection and a batched ``IN`` read a second, not one each.
+A notice wakes only the followers of the job it names; the poll catches what the channel
+missed (a waiter that subscribed late, a worker that died between commit and publish).
+A :class:`Follower` for a whole batch polls by itself instead: it compares the batch's count
+of terminal jobs, one cheap query, rather than reading every id.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
+
+import redis
 
 from jobs.schemas import JobInfo
 from jobs.store import JobReader
+
+log = logging.getLogger(__name__)
+
+HUB_TICK_S = 0.05  # the longest a new follower waits for the hub's first poll of its jobs
+POLL_CHUNK = 1000  # job ids per SQL read of the shared poll
+SAFETY_WAKE_S = 5.0  # a hub follower looks again at least this often (the hub may have died)
 
 
 class Follower:
@@ -26,8 +40,9 @@ class Follower:
         job_ids: the jobs to follow.
         timeout_s: give up after this long (None: never).
         poll_interval_s: how often SQL is read when no notice arrives.
-        batch_id: set when ``job_ids`` are the whole batch: the poll then compares the
-            batch's count of terminal jobs first and reads ids only when they disagree.
+        batch_id: set when ``job_ids`` are the whole batch: the follower then polls by
+            itself, comparing the batch's count of terminal jobs first and reading ids only
+            when they disagree. Otherwise its client's :class:`NoticeHub` polls for it.
     """
 
     def __init__(self, store: JobReader, job_ids: Collection[str], timeout_s: float | None,
@@ -36,29 +51,28 @@ class Follower:
         self.pending = set(job_ids)
         self.reported = 0
         self.batch_id = batch_id
+        self.shared_poll = batch_id is None
         self.poll_interval_s = poll_interval_s
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._next_poll = 0.0  # the first take() reads SQL
+        self._next_poll = 0.0  # a batch follower's first take() reads SQL
         self._noticed: set[str] = set()
-
-    def notice(self, message: dict[str, Any] | None) -> None:
-        """Record a done-channel message (a pub/sub message dict, or None)."""
-        job_id = done_job_id(message)
-        if job_id is not None:
-            self.notice_id(job_id)
+        self._lock = threading.Lock()  # notices come from the hub's thread
 
     def notice_id(self, job_id: str) -> None:
-        """Record that ``job_id`` was announced done."""
-        if job_id in self.pending:
-            self._noticed.add(job_id)
+        """Record that ``job_id`` was announced done (or found terminal by the hub's poll)."""
+        with self._lock:
+            if job_id in self.pending:
+                self._noticed.add(job_id)
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
     def wait_s(self) -> float:
-        """How long a driver may block on the channel before calling :meth:`take` again."""
+        """How long a driver may block before calling :meth:`take` again."""
         now = time.monotonic()
-        until = self._next_poll if self.deadline is None else min(self._next_poll, self.deadline)
+        until = now + SAFETY_WAKE_S if self.shared_poll else self._next_poll
+        if self.deadline is not None:
+            until = min(until, self.deadline)
         return max(0.0, until - now)
 
     def take(self) -> list[JobInfo]:
@@ -80,16 +94,17 @@ class Follower:
 
     def _due(self) -> tuple[set[str], set[str]]:
         """(pending jobs announced done, pending jobs a poll found terminal, if one is due)."""
-        noticed = self._noticed & self.pending
-        self._noticed.clear()
+        with self._lock:
+            noticed, self._noticed = self._noticed & self.pending, set()
         polled: set[str] = set()
-        if time.monotonic() >= self._next_poll:
+        if not self.shared_poll and time.monotonic() >= self._next_poll:
             polled = self._poll()
             self._next_poll = time.monotonic() + self.poll_interval_s
         return noticed - polled, polled
 
     def _report(self, done: set[str]) -> None:
-        self.pending -= done
+        with self._lock:
+            self.pending -= done
         self.reported += len(done)
 
     def _poll(self) -> set[str]:
@@ -98,6 +113,121 @@ class Follower:
             if sum(n for s, n in counts.items() if s.terminal) <= self.reported:
                 return set()
         return self.store.terminal_ids(sorted(self.pending))
+
+
+class NoticeHub:
+    """One client's followers, woken by one done-channel subscription and one SQL poll.
+
+    A daemon thread, started by the first follower, reads the channel; every poll interval
+    (the shortest its shared-poll followers asked for) it reads which of their jobs are
+    terminal, :data:`POLL_CHUNK` ids a query, and right after followers join, which of
+    theirs. Each hit is recorded on
+    the jobs' followers and wakes them (``wake`` may hand over to an event loop). If Redis
+    fails, the thread subscribes again a second later; the poll goes on meanwhile.
+    """
+
+    def __init__(self, client: redis.Redis, channel: str, store: JobReader) -> None:
+        self.client, self.channel, self.store = client, channel, store
+        self._lock = threading.Lock()
+        self._by_job: dict[str, dict[int, tuple[Follower, Callable[[], None]]]] = {}
+        self._jobs_of: dict[int, list[str]] = {}
+        self._joined: list[str] = []  # jobs of followers that joined since the last poll
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        """How many followers are registered."""
+        return len(self._jobs_of)
+
+    def add(self, follower: Follower, wake: Callable[[], None]) -> None:
+        """Deliver notices for ``follower``'s pending jobs; ``wake()`` after each one."""
+        with self._lock:
+            self._jobs_of[id(follower)] = list(follower.pending)
+            for job_id in follower.pending:
+                self._by_job.setdefault(job_id, {})[id(follower)] = (follower, wake)
+            if follower.shared_poll:
+                self._joined += follower.pending
+            if self._thread is None or not self._thread.is_alive():
+                self._closed.clear()
+                self._thread = threading.Thread(target=self._run, name="kvbatch-notices",
+                                                daemon=True)
+                self._thread.start()
+
+    def remove(self, follower: Follower) -> None:
+        with self._lock:
+            for job_id in self._jobs_of.pop(id(follower), []):
+                waiting = self._by_job.get(job_id)
+                if waiting is not None:
+                    waiting.pop(id(follower), None)
+                    if not waiting:
+                        del self._by_job[job_id]
+
+    def close(self) -> None:
+        """Stop the thread (it unsubscribes); a later :meth:`add` starts it again."""
+        self._closed.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+
+    def notice(self, job_id: str | None) -> None:
+        """``job_id`` is done: tell its followers and wake them."""
+        with self._lock:
+            waiting = list(self._by_job.get(job_id or "", {}).values())
+        for follower, wake in waiting:
+            follower.notice_id(job_id or "")
+            with contextlib.suppress(RuntimeError):  # its event loop closed: it waits no more
+                wake()
+
+    def _poll(self, everyone: bool) -> float:
+        """Read which followed jobs are terminal (all, or those of followers that just
+        joined); returns the interval to the next full poll."""
+        with self._lock:
+            shared = {job_id: min(f.poll_interval_s for f, _ in waiting.values())
+                      for job_id, waiting in self._by_job.items()
+                      if any(f.shared_poll for f, _ in waiting.values())}
+            ids = list(shared) if everyone else [j for j in self._joined if j in shared]
+            self._joined = []
+        for start in range(0, len(ids), POLL_CHUNK):
+            for job_id in self.store.terminal_ids(ids[start:start + POLL_CHUNK]):
+                self.notice(job_id)
+        return min(shared.values(), default=1.0)
+
+    def _run(self) -> None:
+        pubsub: Any = None
+        next_poll = 0.0
+        retry_at = 0.0
+        while not self._closed.is_set():
+            try:
+                if pubsub is None and time.monotonic() >= retry_at:
+                    pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self.channel)  # before the poll that follows a join
+                if pubsub is not None:
+                    message = pubsub.get_message(timeout=HUB_TICK_S)
+                    while message is not None:
+                        self.notice(done_job_id(message))
+                        message = pubsub.get_message(timeout=0)
+                else:
+                    self._closed.wait(HUB_TICK_S)
+            except redis.RedisError as exc:
+                log.warning("done channel unavailable (%s); polling SQL meanwhile", exc)
+                pubsub = _close(pubsub)
+                retry_at = time.monotonic() + 1.0
+            everyone = time.monotonic() >= next_poll
+            if everyone or self._joined:
+                try:
+                    interval = self._poll(everyone)
+                except Exception as exc:  # a database outage: the next poll tries again
+                    log.warning("polling job statuses failed: %s", exc)
+                    interval = 1.0
+                if everyone:
+                    next_poll = time.monotonic() + interval
+        _close(pubsub)
+
+
+def _close(pubsub: Any) -> None:
+    if pubsub is not None:
+        with contextlib.suppress(redis.RedisError):
+            pubsub.close()
 
 
 def done_job_id(message: dict[str, Any] | None) -> str | None:

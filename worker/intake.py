@@ -58,11 +58,12 @@ class Intake:
             log.info("taking back %d jobs left pending under %s", len(self._own_backlog),
                      self.worker_id)
 
-    def pull(self, now: float, count: int, held: Collection[str], idle: bool) -> None:
+    def pull(self, now: float, count: int, held: Collection[str], idle: bool) -> int:
         """Pull up to ``count`` deliveries (blocking briefly when ``idle``) and parse them;
-        ``held`` are the jobs already in the engine (a second copy of one is acked)."""
+        ``held`` are the jobs already in the engine (a second copy of one is acked). Returns
+        how many were pulled."""
         if count <= 0:
-            return
+            return 0
         deliveries: list[Delivery] = []
         if self._own_backlog:
             ids, self._own_backlog = self._own_backlog[:count], self._own_backlog[count:]
@@ -76,6 +77,7 @@ class Intake:
         if deliveries:
             self._live = self.queue.live_workers()
             self._accept(deliveries, held)
+        return len(deliveries)
 
     def _accept(self, deliveries: list[Delivery], held: Collection[str]) -> None:
         now = time.time()

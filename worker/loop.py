@@ -225,8 +225,8 @@ class Worker:
         self._check_cancels(now)
         if not self.draining:
             idle = not self.held  # the writer stores results on its own thread meanwhile
-            self.intake.pull(now, self.free_capacity(), self.held, idle)
-            self.upkeep.wake()  # acks since the last pass made room in the window
+            if self.intake.pull(now, self.free_capacity(), self.held, idle):
+                self.upkeep.wake()  # the stream is moving: refill the window soon
         if now >= self._depth_at:
             waiting, _ = self.queue.depth()
             self.metrics.queue_depth.set(waiting)

@@ -21,7 +21,7 @@ from worker.retry import short_error
 log = logging.getLogger(__name__)
 
 FEED_INTERVAL_S = 1.0  # the longest wait between feeds; the loop's pulls wake it sooner
-FEED_GAP_S = 0.05  # the shortest: the loop wakes it on every pass
+FEED_GAP_S = 0.05  # the shortest: the loop wakes it on every pass that pulled jobs
 
 
 class UpkeepThread:

@@ -154,8 +154,7 @@ def test_thousands_of_async_waiters_share_one_subscription(services) -> None:  #
 
     from jobs.aio import AsyncJobHandle
     from jobs.queue import publish_done
-    from jobs.schemas import JobResult, JobSpec, Outcome
-    from jobs.store import DeliveryStore
+    from jobs.schemas import JobSpec
 
     n = 2000
     specs = [JobSpec(model=MODEL, prompt=f"p{i}") for i in range(n)]
@@ -166,21 +165,101 @@ def test_thousands_of_async_waiters_share_one_subscription(services) -> None:  #
             await asyncio.to_thread(jobs.submit, specs)
             waiters = [asyncio.create_task(AsyncJobHandle(client, s.id).result(timeout_s=300))
                        for s in specs]
-            await asyncio.sleep(0.5)  # every waiter subscribed and polling
+            while len(jobs.notices) < n:  # every waiter registered
+                await asyncio.sleep(0.05)
             plain = redis.Redis.from_url(services["redis_url"])
             ((_, subscribers),) = plain.pubsub_numsub(jobs.done_channel)
             assert subscribers == 1
             # What a worker does: store the outcomes, then announce them.
-            store, ids = DeliveryStore(jobs.engine), [s.id for s in specs]
-            await asyncio.to_thread(store.begin_deliveries, ids, "w", 3, time.time())
-            await asyncio.to_thread(store.finish, [
-                Outcome(i, JobStatus.SUCCEEDED, time.time(), result=JobResult(text=i))
-                for i in ids])
+            ids = [s.id for s in specs]
+            await asyncio.to_thread(_finish, jobs.engine, ids)
             publish_done(plain, jobs.keys, [(i, "succeeded") for i in ids])
             results = await asyncio.gather(*waiters)
             assert [r.text for r in results] == ids
             assert plain.pubsub_numsub(jobs.done_channel) == [(jobs.done_channel.encode(), 1)]
             plain.close()
+
+    asyncio.run(main())
+
+
+def _finish(engine, ids: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """What a worker does before it announces jobs: store their outcomes."""
+    from jobs.schemas import JobResult, Outcome
+    from jobs.store import DeliveryStore
+
+    store = DeliveryStore(engine)
+    store.begin_deliveries(ids, "w", 3, time.time())
+    store.finish([Outcome(i, JobStatus.SUCCEEDED, time.time(), result=JobResult(text=i))
+                  for i in ids])
+
+
+def test_threads_of_a_sync_client_share_one_subscription(client: Client, services) -> None:  # type: ignore[no-untyped-def]
+    """Each sync ``result()`` once subscribed to the done channel on a connection of its own;
+    the client's threads now share one subscription, woken each by its own job's notice."""
+    import threading
+
+    import redis
+
+    from jobs.queue import publish_done
+
+    handles = [client.submit(prompt=f"p{i}") for i in range(64)]
+    results: dict[str, str] = {}
+
+    def wait(handle) -> None:  # type: ignore[no-untyped-def]
+        results[handle.id] = handle.result(timeout_s=60).text
+
+    threads = [threading.Thread(target=wait, args=(h,)) for h in handles]
+    for t in threads:
+        t.start()
+    plain = redis.Redis.from_url(services["redis_url"])
+    channel = client.jobs.done_channel
+    deadline = time.monotonic() + 10
+    while len(client.jobs.notices) < len(handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert plain.pubsub_numsub(channel) == [(channel.encode(), 1)]
+    ids = [h.id for h in handles]
+    _finish(client.jobs.engine, ids)
+    publish_done(plain, client.jobs.keys, [(i, "succeeded") for i in ids])
+    for t in threads:
+        t.join(60)
+    assert results == {i: i for i in ids}
+    assert len(client.jobs.notices) == 0  # every waiter left the hub
+    plain.close()
+
+
+def test_waiters_without_notices_are_found_by_one_batched_poll(services) -> None:  # type: ignore[no-untyped-def]
+    """Jobs that end with no notice (a worker died between its commit and its publish) are
+    found by the client's poll: a few ``IN`` reads a second for all waiters, not one query
+    per waiter."""
+    from jobs.aio import AsyncJobHandle
+    from jobs.schemas import JobSpec
+
+    n = 3000
+    specs = [JobSpec(model=MODEL, prompt=f"p{i}") for i in range(n)]
+
+    async def main() -> None:
+        async with AsyncClient(model=MODEL, **services) as client:
+            reads: list[int] = []
+            reader = client.jobs.reader
+            terminal_ids = reader.terminal_ids
+
+            def counted(ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+                reads.append(len(ids))
+                return terminal_ids(ids, *args, **kwargs)
+
+            reader.terminal_ids = counted  # type: ignore[method-assign]
+            await asyncio.to_thread(client.jobs.submit, specs)
+            waiters = [asyncio.create_task(AsyncJobHandle(client, s.id).wait(timeout_s=60))
+                       for s in specs]
+            await asyncio.sleep(1.0)
+            polls_before = len(reads)
+            await asyncio.to_thread(_finish, client.jobs.engine, [s.id for s in specs])
+            infos = await asyncio.gather(*waiters)
+            assert {i.status for i in infos} == {JobStatus.SUCCEEDED}
+            # Each read covers up to 1,000 waiters' jobs: 3 reads a poll, a poll a second (one
+            # query per waiter would be 3,000 a second).
+            assert polls_before >= 3 and max(reads) == 1000
+            assert 0 < len(reads) - polls_before <= 100
 
     asyncio.run(main())
 
