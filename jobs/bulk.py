@@ -191,7 +191,7 @@ class OutputFiles:
             # Read everything before changing anything: a file that is not a results file
             # is refused untouched.
             done = {_custom_id(path, n, line)
-                    for n, line in enumerate(complete.decode(errors="replace").splitlines(), 1)
+                    for n, line in enumerate(complete.decode(errors="replace").split("\n"), 1)
                     if line.strip()}
             if partial and not partial.lstrip().startswith(b"{"):
                 raise ValueError(f"{path}: its last line is not a result line; refusing to "

@@ -3,11 +3,12 @@ waiting on them."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -82,3 +83,9 @@ def thread_workers(tiny_model: str, services: dict[str, str], model: str = "tiny
     for worker, thread in started:
         worker.stop(drain=False)
         thread.join(30)
+
+
+def jsonl(text: str) -> list[Any]:
+    """The records of JSON-lines text. Lines end at ``\\n`` only: ``str.splitlines`` would also
+    cut at U+2028 or U+0085, which a model's text may hold and JSON leaves unescaped."""
+    return [json.loads(line) for line in text.split("\n") if line.strip()]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from services import wait_until
+from services import jsonl, wait_until
 from sqlalchemy import Engine
 
 from jobs.api.batches import CHUNK_ROWS, BatchRunner, Status
@@ -177,7 +177,7 @@ def test_a_batch_past_its_window_ends_expired_with_an_error_file(services: dict[
     row = runner.records.get(ApiBatch, owner, batch.id)
     assert row is not None and row.expired_at is not None and row.output_file_id is None
     assert row.error_file_id is not None
-    lines = [json.loads(x) for x in runner.storage.open(row.error_file_id).read().splitlines()]
+    lines = jsonl(runner.storage.open(row.error_file_id).read().decode())
     assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2", "r3"]
     assert {x["error"]["code"] for x in lines} == {"batch_expired"}
     runner.stop()

@@ -16,6 +16,7 @@ import pytest
 from api_server import ApiServer
 from openai.types import Batch, Completion
 from openai.types.chat import ChatCompletion
+from services import jsonl as records
 from sqlalchemy import Engine
 
 from jobs.api.keys import KeyStore
@@ -49,7 +50,7 @@ def wait_batch(client: openai.OpenAI, batch_id: str, statuses: set[str] = FINAL,
 
 
 def lines_of(client: openai.OpenAI, file_id: str) -> list[dict]:
-    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    return records(client.files.content(file_id).text)
 
 
 def test_files_to_batch_to_output_with_openai_types(openai_client, start_worker,  # type: ignore[no-untyped-def]

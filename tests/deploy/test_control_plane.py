@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from services import all_roles_store
+from services import all_roles_store, jsonl
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
@@ -232,7 +232,7 @@ def test_finalize_completes_exports_publishes_and_posts_once(
     assert b.completed_at is not None and b.notified_at is not None
     assert batch_row(sql_engine, "open").status == "in_progress"
     # The results file: every job of the batch as JobInfo JSON, by id.
-    lines = [json.loads(line) for line in Path(b.results_path).read_text().splitlines()]
+    lines = jsonl(Path(b.results_path).read_text())
     assert b.results_path == str(tmp_path / "out" / "done.jsonl")
     assert [(x["id"], x["custom_id"], x["status"]) for x in lines] == [
         ("d-0", "row-0", "succeeded"), ("d-1", "row-1", "succeeded"), ("d-2", "row-2", "failed")]

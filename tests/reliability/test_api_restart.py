@@ -13,7 +13,7 @@ import openai
 import sqlalchemy as sa
 from api_server import ApiServer
 from chaos import MODEL, WorkerProcs, audit
-from services import REDIS_URL
+from services import REDIS_URL, jsonl
 
 from jobs import db
 from jobs.api.keys import KeyStore
@@ -63,7 +63,7 @@ def test_api_server_killed_mid_batch_loses_nothing(workers: WorkerProcs, keys: K
     assert batch.request_counts is not None
     assert (batch.request_counts.total, batch.request_counts.completed) == (ROWS, ROWS)
     assert batch.output_file_id is not None
-    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    out = jsonl(client.files.content(batch.output_file_id).text)
     assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
     assert all(x["response"]["status_code"] == 200 for x in out)
     with engine.connect() as conn:

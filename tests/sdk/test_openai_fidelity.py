@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
+from services import jsonl
 
 from jobs.sdk import Client
 from worker.cli import main
@@ -50,7 +51,7 @@ def test_openai_file_with_schema_rows_and_logprobs(tmp_path: Path, client: Clien
     worker = start_worker()
     assert main(["submit", str(data), "-o", str(out), "--model", "tiny", "--no-progress",
                  *cli_args]) == 0
-    lines = {json.loads(x)["custom_id"]: json.loads(x) for x in out.read_text().splitlines()}
+    lines = {x["custom_id"]: x for x in jsonl(out.read_text())}
     assert sorted(lines) == sorted(r["custom_id"] for r in rows)
     # the 8 rows' one schema was compiled once (engine stats reach the metric within ~1 s)
     deadline = time.monotonic() + 10
@@ -105,7 +106,7 @@ def test_plain_rows_get_logprobs_and_a_response_format_default(
     start_worker()
     assert main(["submit", str(data), "-o", str(out), "--model", "tiny", "--no-progress",
                  "--response-format", str(fmt), "--max-tokens", "8", *cli_args]) == 0
-    lines = {json.loads(x)["custom_id"]: json.loads(x) for x in out.read_text().splitlines()}
+    lines = {x["custom_id"]: x for x in jsonl(out.read_text())}
     assert lines["a"]["text"] in ("red", "green", "blue")  # the file's default format
     assert lines["b"]["text"].isdigit() and len(lines["b"]["text"]) == 4  # the row's own
     assert [e["token_id"] for e in lines["b"]["logprobs"]] == client.job(

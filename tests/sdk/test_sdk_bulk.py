@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from services import all_roles_store
+from services import all_roles_store, jsonl
 
 from jobs.feed import MIN_WINDOW
 from jobs.schemas import JobStatus
@@ -28,7 +28,7 @@ SYSTEM = "You are a terse assistant; every job of this batch shares this system 
 
 
 def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return jsonl(path.read_text()) if path.exists() else []
 
 
 def _jobs_of(client: Client, batch_id: str) -> list[tuple[str | None, int]]:
@@ -268,3 +268,18 @@ def test_cancelling_a_queued_batch_empties_its_stream(client: Client, redis_clie
     assert redis_client.xlen(stream) == 0  # no worker needed to clear them
     ids = sorted(batch.job_ids.values())
     assert len(set(ids)) == 2500 and all(len(i) == 32 for i in ids)
+
+
+def test_resume_reads_results_whose_text_holds_line_separators(tmp_path: Path) -> None:
+    """A model's text may hold U+2028 or U+0085, which JSON leaves unescaped: a results line
+    holding one is still one line (it once made a resumed run refuse its own output file)."""
+    from jobs.bulk import OutputFiles
+
+    out = tmp_path / "results.jsonl"
+    lines = [{"custom_id": "a", "text": "one\u2028two\x85three"}, {"custom_id": "b", "text": "x"}]
+    out.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines)
+                   + '{"custom_id": "c", "te')  # and a line cut off by a kill
+    files = OutputFiles(out, None)
+    files.close()
+    assert files.done == {"a", "b"}
+    assert jsonl(out.read_text()) == lines  # the cut line is gone, the others intact

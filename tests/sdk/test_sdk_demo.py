@@ -3,11 +3,12 @@ the tiny model, four prompts, a few tokens."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from services import jsonl
 
 
 def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
@@ -26,7 +27,7 @@ def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
     assert [r.split()[:2] for r in rows] == [[f"q{i}", "succeeded"] for i in range(4)]
     assert "hit rate" in out and "output tok/s" in out and "peak KV memory" in out
     assert "4 (4 succeeded)" in out
-    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    results = jsonl((tmp_path / "results.jsonl").read_text())
     assert sorted(r["custom_id"] for r in results) == ["q0", "q1", "q2", "q3"]
     assert all(0 < r["usage"]["completion_tokens"] <= 6 for r in results)
     assert (tmp_path / "kvbatch.db").exists()
