@@ -9,7 +9,8 @@ datasets, priorities, fair share).
    (``job_stats.ttft_s``), p50 and max.
 3. A 10-row batch at the backlog's priority, submitted after it: the time until all 10 are
    done, and how many rows of the big batch finished meanwhile.
-4. ``kvbatch cancel`` of the big batch: its time, Redis ``used_memory`` and the stream after.
+4. With the worker stopped, ``kvbatch cancel`` of the big batch: its time, Redis
+   ``used_memory`` and the stream after.
 
 Real services (``--redis-url``, ``--database-url``; PostgreSQL), in a schema and key prefix of
 the run's own.
@@ -120,7 +121,7 @@ def main() -> None:
             print(f"fair share: a 10-row batch after the {args.rows:,}-row one finished in "
                   f"{took:.2f}s, while {big_done() - done_before:,} rows of the big one did")
 
-            seconds = kvbatch(["cancel", "backlog"], env)
+        seconds = kvbatch(["cancel", "backlog"], env)  # the worker is stopped
         print(f"cancel: {seconds:.1f}s; Redis +{(used_memory(r) - before) / 2**20:.1f} MiB "
               f"(done markers included), stream {stream.length():,} entries")
         jobs.close()

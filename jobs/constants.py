@@ -23,6 +23,7 @@ MAX_PAYLOAD_BYTES = 1 << 20
 # Stream entry fields: the job id on its own (readable without parsing) and the job as JSON.
 FIELD_ID = "id"
 FIELD_JOB = "job"
+FIELD_PRIORITY = "priority"  # the job's priority, so the stream can be kept in order
 FIELD_REASON = "reason"
 # How long a "job finished" marker stays for waiters that subscribe late.
 DONE_MARKER_TTL_S = 24 * 3600

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 HUB_TICK_S = 0.05  # the longest a new follower waits for the hub's first poll of its jobs
 POLL_CHUNK = 1000  # job ids per SQL read of the shared poll
 SAFETY_WAKE_S = 5.0  # a hub follower looks again at least this often (the hub may have died)
+HUB_IDLE_EXIT_S = 10.0  # the hub's thread ends (and unsubscribes) after this long unused
 
 
 class Follower:
@@ -196,7 +197,14 @@ class NoticeHub:
         pubsub: Any = None
         next_poll = 0.0
         retry_at = 0.0
+        idle_since = time.monotonic()
         while not self._closed.is_set():
+            with self._lock:  # nobody to wake for a while: leave (the next add() restarts it)
+                if self._jobs_of:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > HUB_IDLE_EXIT_S:
+                    self._thread = None
+                    break
             try:
                 if pubsub is None and time.monotonic() >= retry_at:
                     pubsub = self.client.pubsub(ignore_subscribe_messages=True)
@@ -208,7 +216,7 @@ class NoticeHub:
                         message = pubsub.get_message(timeout=0)
                 else:
                     self._closed.wait(HUB_TICK_S)
-            except redis.RedisError as exc:
+            except (redis.RedisError, OSError, ValueError) as exc:  # a socket closed under it
                 log.warning("done channel unavailable (%s); polling SQL meanwhile", exc)
                 pubsub = _close(pubsub)
                 retry_at = time.monotonic() + 1.0
@@ -226,7 +234,7 @@ class NoticeHub:
 
 def _close(pubsub: Any) -> None:
     if pubsub is not None:
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(redis.RedisError, OSError, ValueError):
             pubsub.close()
 
 

@@ -27,6 +27,61 @@ from jobs.schemas import JobSpec, encode_job
 
 DEAD_LETTER_MAXLEN = 100_000
 
+# Adds entries to a stream so that its undelivered part stays in priority order: the new
+# entries and the undelivered ones worse than the best new one are deleted and added again,
+# sorted by (priority, arrival). Atomic (a script), so no worker reads in between; entries
+# already delivered are never moved. KEYS[1] the stream; ARGV[1] the group, then (job id, job
+# JSON, priority) for each new entry in arrival order.
+_ENQUEUE = """
+local stream, group = KEYS[1], ARGV[1]
+local entries, best = {}, nil
+for i = 2, #ARGV, 3 do
+  local p = tonumber(ARGV[i + 2])
+  entries[#entries + 1] = {fields = {'id', ARGV[i], 'job', ARGV[i + 1], 'priority', ARGV[i + 2]},
+                           priority = p}
+  if best == nil or p < best then best = p end
+end
+local last = '0-0'
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+if ok then
+  for _, g in ipairs(groups) do
+    for j = 1, #g, 2 do
+      if g[j] == 'name' and g[j + 1] ~= group then break end
+      if g[j] == 'last-delivered-id' then last = g[j + 1] end
+    end
+  end
+end
+local moved = {}
+if best ~= nil then
+  local moving = false
+  for _, e in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do
+    local fields, p = e[2], 0
+    for j = 1, #fields, 2 do
+      if fields[j] == 'priority' then p = tonumber(fields[j + 1]) or 0 end
+    end
+    if p > best then moving = true end
+    if moving then moved[#moved + 1] = {id = e[1], fields = fields, priority = p} end
+  end
+end
+local all = {}
+for i, e in ipairs(moved) do
+  redis.call('XDEL', stream, e.id)
+  e.seq = i
+  all[#all + 1] = e
+end
+for i, e in ipairs(entries) do e.seq = #moved + i; all[#all + 1] = e end
+table.sort(all, function(a, b)
+  if a.priority ~= b.priority then return a.priority < b.priority end
+  return a.seq < b.seq
+end)
+local ids = {}
+for _, e in ipairs(all) do
+  local id = redis.call('XADD', stream, '*', unpack(e.fields))
+  if e.id == nil then ids[#ids + 1] = id end
+end
+return ids
+"""
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -45,6 +100,7 @@ class JobQueue:
         self.model = model
         self.keys = keys = keys or Keys()
         self.stream = keys.stream(model)
+        self._enqueue = client.register_script(_ENQUEUE)
 
     def ensure_group(self) -> None:
         try:
@@ -56,13 +112,17 @@ class JobQueue:
     # -- producers ---------------------------------------------------------------------------
 
     def enqueue(self, specs: Sequence[JobSpec]) -> list[str]:
-        """Append jobs to the stream; returns their entry ids."""
-        pipe = self.client.pipeline(transaction=False)
+        """Add jobs to the stream, in priority order among the entries not yet delivered (a
+        better priority goes before worse ones already waiting; equal ones keep their arrival
+        order); returns the new entries' ids, in stream order."""
+        args: list[str] = [CONSUMER_GROUP]
         for spec in specs:
             if spec.model != self.model:
                 raise ValueError(f"job {spec.id} is for model {spec.model!r}, not {self.model!r}")
-            pipe.xadd(self.stream, {FIELD_ID: spec.id, FIELD_JOB: encode_job(spec)})
-        return [str(e) for e in pipe.execute()]
+            args += [spec.id, encode_job(spec), str(spec.priority)]
+        if not specs:
+            return []
+        return [str(e) for e in self._enqueue(keys=[self.stream], args=args)]
 
     # -- workers -----------------------------------------------------------------------------
 

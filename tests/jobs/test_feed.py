@@ -169,3 +169,24 @@ def test_worker_drains_a_backlog_many_windows_long_in_fair_order(
     # submitted before them: at most the window that was full when they came, and one more.
     assert fed_before[urgent.id] <= 2 * 40
     assert max(fed_before[s.id] for s in small) <= 2 * 40
+
+
+def test_the_stream_delivers_a_better_priority_first(redis_client: redis.Redis,
+                                                     keys: Keys) -> None:
+    """Within the window too: an urgent job goes before the undelivered entries of worse
+    priority; equal priorities keep their order, and delivered entries are never moved."""
+    q = JobQueue(redis_client, MODEL, keys)
+    q.ensure_group()
+    normal = [JobSpec(model=MODEL, prompt=f"n{i}") for i in range(5)]
+    q.enqueue(normal)
+    (first,) = q.read("w", count=1)
+    assert first.job_id == normal[0].id
+    later = JobSpec(model=MODEL, prompt="later", priority=5)
+    urgent = [JobSpec(model=MODEL, prompt=f"u{i}", priority=-10) for i in range(2)]
+    q.enqueue([later])
+    q.enqueue(urgent)
+    order = [d.job_id for d in q.read("w", count=10)]
+    assert order == [u.id for u in urgent] + [s.id for s in normal[1:]] + [later.id]
+    assert q.depth() == (0, 8)  # nothing lost or doubled; the first delivery still pending
+    q.ack([first.entry_id])
+    assert q.depth() == (0, 7)

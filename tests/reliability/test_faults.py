@@ -22,6 +22,7 @@ from services import SOAK, all_roles_store
 
 from jobs.client import JobClient
 from jobs.constants import Keys
+from jobs.feed import MIN_WINDOW
 from jobs.queue import JobQueue
 from jobs.schemas import JobSpec, JobStatus
 
@@ -69,8 +70,11 @@ def test_sigkill_at_random_moments(redis_client: redis.Redis, keys: Keys, pg_eng
     n_jobs, n_kills = (600, 20) if SOAK else (100, 3)
     specs = [_greedy(i, max_tokens=rng.choice((32, 256, 640))) for i in range(n_jobs)]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    # Workers first, with small windows: most jobs wait in the SQL backlog and are fed while
+    # workers are killed (feeding is part of what must be exactly-once).
+    procs = {name: workers.start(name, feed_window=24) for name in ("w-a", "w-b")}
+    _wait_for_window(redis_client, keys, 48)
     ids = client.submit(specs)
-    procs = {name: workers.start(name) for name in ("w-a", "w-b")}
     wait_until(lambda: SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.RUNNING), 60,
                what="first job running")
     kills = 0
@@ -84,7 +88,7 @@ def test_sigkill_at_random_moments(redis_client: redis.Redis, keys: Keys, pg_eng
         # come back under a new one (the survivors claim the dead one's entries).
         new_name = name if kills % 2 else f"{name}-{kills}"
         del procs[name]
-        procs[new_name] = workers.start(new_name)
+        procs[new_name] = workers.start(new_name, feed_window=24)
     wait_until(lambda: _all_terminal(client, ids), 240, interval_s=0.5, what="all terminal")
     result = audit(pg_engine, ids)
     assert result.lost == 0 and result.duplicate_terminal_rows == 0, result
@@ -135,11 +139,12 @@ def test_redis_restart_with_data_loss(own_redis, keys: Keys, pg_engine: sa.Engin
     n_jobs, n_restarts = (400, 5) if SOAK else (120, 2)
     rc = redis.Redis.from_url(own_redis.url, decode_responses=True)
     client = JobClient(rc, pg_engine, key_prefix=keys.prefix)
-    ids = client.submit([_greedy(i, max_tokens=400) for i in range(n_jobs)])
     procs = WorkerProcs(tiny_model, keys, own_redis.url, pg_url, tmp_path / "logs")
     try:
-        for name in ("r-a", "r-b"):
-            procs.start(name, reconcile_interval_s=1.0, reconcile_grace_s=1.0)
+        for name in ("r-a", "r-b"):  # small windows: most jobs wait in the SQL backlog
+            procs.start(name, reconcile_interval_s=1.0, reconcile_grace_s=1.0, feed_window=24)
+        _wait_for_window(rc, keys, 48)
+        ids = client.submit([_greedy(i, max_tokens=400) for i in range(n_jobs)])
         for _ in range(n_restarts):
             wait_until(lambda: _running_or_done(client, ids), 90, what="jobs running")
             if _all_terminal(client, ids):
@@ -156,6 +161,12 @@ def test_redis_restart_with_data_loss(own_redis, keys: Keys, pg_engine: sa.Engin
     assert result.by_status == {"succeeded": n_jobs}, result.by_status
     record("redis_restart", jobs=n_jobs, restarts=own_redis.restarts, lost=result.lost,
            duplicate_terminal_rows=result.duplicate_terminal_rows)
+
+
+def _wait_for_window(client: redis.Redis, keys: Keys, size: int) -> None:
+    """Until the live workers' windows add up to ``size`` (both have registered)."""
+    queue = JobQueue(client, MODEL, keys)
+    wait_until(lambda: queue.window(MIN_WINDOW) == size, 120, what="workers' windows")
 
 
 def _pg_restart() -> None:
