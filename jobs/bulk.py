@@ -264,7 +264,7 @@ def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOption
                         webhook_url=opts.webhook_url, new_rows=new_batch,
                         rejected=None if opts.strict else rejected, **opts.defaults).submitted
                     stored = True
-                for row in todo:
+                for row in todo if opts.wait else ():  # what to follow, if waiting
                     if row.custom_id in submitted:
                         follow.add(submitted[row.custom_id])
                         first_kind = first_kind or row.kind
@@ -276,6 +276,7 @@ def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOption
                     tally.failed += 1
                 tally.submitted += len(submitted)
                 bar.update(len(chunk))
+            client.jobs.bulk_loaded(tally.submitted)
             if not opts.wait:
                 return tally
             bar.reset(total=tally.submitted + tally.written)

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+ANALYZE_AFTER_ROWS = 50_000  # a bulk load this large refreshes the planner's statistics
+
 
 class JobClient:
     """Submit and follow jobs.
@@ -177,6 +179,12 @@ class JobClient:
             self.store(new[start:start + chunk_size], webhook_url=webhook_url,
                        deadline=deadline)
         return existing | {s.custom_id: s.id for s in new if s.custom_id is not None}
+
+    def bulk_loaded(self, rows: int) -> None:
+        """Tell the store that ``rows`` jobs were just stored in bulk: past
+        :data:`ANALYZE_AFTER_ROWS`, the planner's statistics are refreshed at once."""
+        if rows >= ANALYZE_AFTER_ROWS:
+            self.producer.analyze()
 
     def batch_settings(self, batch_id: str) -> tuple[str | None, datetime | None] | None:
         """(webhook URL, deadline) of a batch; None when it does not exist yet."""

@@ -297,6 +297,7 @@ class BatchRunner:
                     return  # cancelled: following the batch cancels what was stored
         if chunk:
             self.client.store(chunk, deadline=row.expires_at)
+        self.client.bulk_loaded(total)
         if self.records.move(batch_id, [Status.VALIDATING], Status.IN_PROGRESS, total=total,
                              model=model):
             log.info("batch %s: %d requests on %s in progress", batch_id, total, model)

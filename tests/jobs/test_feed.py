@@ -190,3 +190,26 @@ def test_the_stream_delivers_a_better_priority_first(redis_client: redis.Redis,
     assert q.depth() == (0, 8)  # nothing lost or doubled; the first delivery still pending
     q.ack([first.entry_id])
     assert q.depth() == (0, 7)
+
+
+def test_a_bulk_load_refreshes_the_planner_statistics(redis_client: redis.Redis, keys: Keys,
+                                                      pg_engine: sa.Engine) -> None:
+    """Right after a million rows, before autovacuum runs, PostgreSQL took the batch for a few
+    hundred rows and a cancel sorted the whole batch for every page."""
+    from jobs.client import ANALYZE_AFTER_ROWS
+
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+
+    def analyzed() -> bool:
+        with pg_engine.connect() as conn:
+            return conn.scalar(sa.text(
+                "SELECT last_analyze IS NOT NULL FROM pg_stat_user_tables "
+                "WHERE relname = 'jobs' AND schemaname = current_schema()")) is True
+
+    client.bulk_loaded(ANALYZE_AFTER_ROWS - 1)
+    assert not analyzed()
+    client.bulk_loaded(ANALYZE_AFTER_ROWS)
+    deadline = time.monotonic() + 10
+    while not analyzed() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert analyzed()
