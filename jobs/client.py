@@ -106,7 +106,6 @@ class JobClient:
             feeder = self._feeder(model)
             try:
                 if model in direct:
-                    feeder.queue.ensure_group()
                     feeder.queue.enqueue(group)
                 else:
                     feeder.feed()

@@ -37,9 +37,10 @@ class Keys:
 
     prefix: str = DEFAULT_KEY_PREFIX
 
-    def stream(self, model: str) -> str:
-        """Jobs waiting for (or held by) the workers of ``model``; group :data:`CONSUMER_GROUP`."""
-        return f"{self.prefix}:jobs:{model}"
+    def stream(self, model: str, bucket: int) -> str:
+        """Jobs of one routing bucket (``jobs.route``) waiting for (or held by) the workers of
+        ``model``; group :data:`CONSUMER_GROUP`."""
+        return f"{self.prefix}:jobs:{model}:{bucket}"
 
     def dead_letter(self, model: str) -> str:
         """Jobs given up on: delivered too often, or unreadable."""

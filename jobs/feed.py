@@ -64,7 +64,6 @@ class Feeder:
                     if not failed:
                         break
                     continue
-                self.queue.ensure_group()
                 self.queue.enqueue(specs)
                 fed += len(specs)
         finally:

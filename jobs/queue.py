@@ -1,15 +1,17 @@
 """The Redis Streams data plane of one model: enqueue, pull, ack, leases, dead letters.
 
-One stream per model with one consumer group; each worker is a consumer named by its worker
-id. Entries are deleted when acknowledged, so the stream holds exactly the jobs that are
-waiting or held by a worker. A worker's lease is its heartbeat key: the pending entries of a
-consumer without a heartbeat are claimed by live workers, and never those of a live one.
+Each model has :data:`~jobs.route.ROUTE_BUCKETS` streams (a job goes to the bucket of its
+prompt prefix, ``jobs.route``), each with one consumer group; each worker is a consumer named
+by its worker id, in every bucket. Entries are deleted when acknowledged, so the streams hold
+exactly the jobs that are waiting or held by a worker. A worker's lease is its heartbeat key:
+the pending entries of a consumer without a heartbeat are claimed by live workers, and never
+those of a live one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -20,9 +22,11 @@ from jobs.constants import (
     DONE_MARKER_TTL_S,
     FIELD_ID,
     FIELD_JOB,
+    FIELD_PRIORITY,
     FIELD_REASON,
     Keys,
 )
+from jobs.route import ROUTE_BUCKETS, bucket_of
 from jobs.schemas import JobSpec, encode_job
 
 DEAD_LETTER_MAXLEN = 100_000
@@ -30,8 +34,8 @@ DEAD_LETTER_MAXLEN = 100_000
 # Adds entries to a stream so that its undelivered part stays in priority order: the new
 # entries and the undelivered ones worse than the best new one are deleted and added again,
 # sorted by (priority, arrival). Atomic (a script), so no worker reads in between; entries
-# already delivered are never moved. KEYS[1] the stream; ARGV[1] the group, then (job id, job
-# JSON, priority) for each new entry in arrival order.
+# already delivered are never moved. Creates the group if missing. KEYS[1] the stream; ARGV[1]
+# the group, then (job id, job JSON, priority) for each new entry in arrival order.
 _ENQUEUE = """
 local stream, group = KEYS[1], ARGV[1]
 local entries, best = {}, nil
@@ -41,7 +45,7 @@ for i = 2, #ARGV, 3 do
                            priority = p}
   if best == nil or p < best then best = p end
 end
-local last = '0-0'
+local last = nil
 local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
 if ok then
   for _, g in ipairs(groups) do
@@ -50,6 +54,10 @@ if ok then
       if g[j] == 'last-delivered-id' then last = g[j + 1] end
     end
   end
+end
+if last == nil then
+  redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  last = '0-0'
 end
 local moved = {}
 if best ~= nil then
@@ -82,14 +90,105 @@ end
 return ids
 """
 
+# Delivers up to ARGV[3] entries from the streams KEYS to consumer ARGV[2] of group ARGV[1]
+# (created where missing), choosing them by ARGV[4]:
+#   'merge': the best (priority, job id) first across all the streams, as if they were one
+#            stream (each stream's undelivered part is in priority order: _ENQUEUE; job ids
+#            are time-ordered);
+#   'drain': whole streams in turn, the one whose next entry has the best priority first, and
+#            among equals the one with the most undelivered entries (a thief takes runs of one
+#            prefix, not a job of each).
+# Returns XREADGROUP's reply: {stream, entries} for each stream read.
+_READ = """
+local group, consumer, count, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local function field(fields, name)
+  for j = 1, #fields, 2 do
+    if fields[j] == name then return fields[j + 1] end
+  end
+  return nil
+end
+local function priority(fields) return tonumber(field(fields, 'priority')) or 0 end
+local streams = {}
+for i, key in ipairs(KEYS) do
+  local last = nil
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
+  if ok then
+    for _, g in ipairs(groups) do
+      for j = 1, #g, 2 do
+        if g[j] == 'name' and g[j + 1] ~= group then break end
+        if g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+    end
+  end
+  if last == nil then
+    redis.call('XGROUP', 'CREATE', key, group, '0', 'MKSTREAM')
+    last = '0-0'
+  end
+  local head = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)[1]
+  if head then
+    local s = {key = key, head = head, take = 0}
+    if mode == 'drain' then
+      local pending = redis.call('XPENDING', key, group)[1]
+      s.waiting = math.max(redis.call('XLEN', key) - pending, 1)
+    end
+    streams[#streams + 1] = s
+  end
+end
+local left = count
+if mode == 'merge' then
+  while left > 0 do
+    local best = nil
+    for _, s in ipairs(streams) do
+      if s.head then
+        if best == nil then best = s else
+          local p, q = priority(s.head[2]), priority(best.head[2])
+          if p < q or (p == q and (field(s.head[2], 'id') or '') < (field(best.head[2], 'id')
+                                                                    or '')) then
+            best = s
+          end
+        end
+      end
+    end
+    if best == nil then break end
+    best.take = best.take + 1
+    left = left - 1
+    best.head = redis.call('XRANGE', best.key, '(' .. best.head[1], '+', 'COUNT', 1)[1]
+  end
+else
+  table.sort(streams, function(a, b)
+    local p, q = priority(a.head[2]), priority(b.head[2])
+    if p ~= q then return p < q end
+    return a.waiting > b.waiting
+  end)
+  for _, s in ipairs(streams) do
+    if left <= 0 then break end
+    s.take = math.min(left, s.waiting)
+    left = left - s.take
+  end
+end
+local reply = {}
+for _, s in ipairs(streams) do
+  if s.take > 0 then
+    local r = redis.call('XREADGROUP', 'GROUP', group, consumer, 'COUNT', s.take,
+                         'STREAMS', s.key, '>')
+    reply[#reply + 1] = r[1]
+  end
+end
+return reply
+"""
+
 
 @dataclass(frozen=True)
 class Delivery:
     """One stream entry handed to this worker. ``payload`` is the raw job JSON, unparsed."""
 
+    stream: str
     entry_id: str
     job_id: str | None
     payload: str | None
+
+
+EntryRef = tuple[str, str]  # (stream, entry id)
 
 
 class JobQueue:
@@ -99,62 +198,90 @@ class JobQueue:
         self.client = client
         self.model = model
         self.keys = keys = keys or Keys()
-        self.stream = keys.stream(model)
+        self.streams = [keys.stream(model, b) for b in range(ROUTE_BUCKETS)]
         self._enqueue = client.register_script(_ENQUEUE)
+        self._read = client.register_script(_READ)
 
     def ensure_group(self) -> None:
-        try:
-            self.client.xgroup_create(self.stream, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        """Create the consumer group of every bucket's stream where missing (producers and
+        reads create them too; this is for blocking reads and claims)."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+        for reply in pipe.execute(raise_on_error=False):
+            if isinstance(reply, redis.ResponseError) and "BUSYGROUP" not in str(reply):
+                raise reply
 
     # -- producers ---------------------------------------------------------------------------
 
     def enqueue(self, specs: Sequence[JobSpec]) -> list[str]:
-        """Add jobs to the stream, in priority order among the entries not yet delivered (a
-        better priority goes before worse ones already waiting; equal ones keep their arrival
-        order); returns the new entries' ids, in stream order."""
-        args: list[str] = [CONSUMER_GROUP]
+        """Add jobs to their buckets' streams (``jobs.route``), each in priority order among
+        the entries not yet delivered (a better priority goes before worse ones already
+        waiting; equal ones keep their arrival order); returns the new entries' ids."""
+        by_bucket: dict[int, list[str]] = {}
         for spec in specs:
             if spec.model != self.model:
                 raise ValueError(f"job {spec.id} is for model {spec.model!r}, not {self.model!r}")
-            args += [spec.id, encode_job(spec), str(spec.priority)]
-        if not specs:
+            by_bucket.setdefault(bucket_of(spec), []).extend(
+                (spec.id, encode_job(spec), str(spec.priority)))
+        if not by_bucket:
             return []
-        return [str(e) for e in self._enqueue(keys=[self.stream], args=args)]
+        pipe = self.client.pipeline(transaction=False)
+        for bucket, args in by_bucket.items():
+            self._enqueue(keys=[self.streams[bucket]], args=[CONSUMER_GROUP, *args], client=pipe)
+        return [str(e) for ids in pipe.execute() for e in ids]
 
     # -- workers -----------------------------------------------------------------------------
 
-    def read(self, consumer: str, count: int, block_ms: int | None = None) -> list[Delivery]:
-        """Up to ``count`` new entries for ``consumer`` (blocking up to ``block_ms``)."""
-        if count <= 0:
+    def read(self, consumer: str, count: int, buckets: Sequence[int] | None = None, *,
+             steal: bool = False) -> list[Delivery]:
+        """Up to ``count`` new entries of ``buckets`` (all by default) for ``consumer``, now
+        (never blocks): the best priority first across them, then the oldest job; with
+        ``steal``, runs of one bucket at a time, the fullest first (see ``_READ``)."""
+        streams = self._streams(buckets)
+        if count <= 0 or not streams:
             return []
+        reply = self._read(keys=streams, args=[CONSUMER_GROUP, consumer, count,
+                                               "drain" if steal else "merge"])
+        found = [(stream, entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
+                 for stream, entries in reply for entry_id, fields in entries]
+        if not steal:  # the script's choice order, which it returns grouped by stream
+            found.sort(key=lambda e: (_priority(e[2]), e[2].get(FIELD_ID, "")))
+        return [_delivery(*e) for e in found]
+
+    def wait(self, consumer: str, block_ms: int,
+             buckets: Sequence[int] | None = None) -> list[Delivery]:
+        """Block up to ``block_ms`` for the first new entry of ``buckets`` (all by default);
+        returns what arrived (one entry a stream at most)."""
+        streams = self._streams(buckets) or self.streams
         try:
-            reply = self.client.xreadgroup(
-                CONSUMER_GROUP, consumer, {self.stream: ">"}, count=count, block=block_ms
-            )
+            reply = self.client.xreadgroup(CONSUMER_GROUP, consumer, dict.fromkeys(streams, ">"),
+                                           count=1, block=block_ms)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self.ensure_group()  # Redis restarted empty, or the stream was deleted
+            self.ensure_group()  # Redis restarted empty, or a stream was deleted
             return []
-        return [_delivery(entry_id, fields) for _, entries in reply or [] for entry_id, fields
-                in entries]
+        return [_delivery(stream, entry_id, fields) for stream, entries in reply or []
+                for entry_id, fields in entries]
 
-    def ack(self, entry_ids: Iterable[str]) -> None:
+    def _streams(self, buckets: Sequence[int] | None) -> list[str]:
+        return self.streams if buckets is None else [self.streams[b] for b in buckets]
+
+    def ack(self, deliveries: Iterable[Delivery]) -> None:
         """Acknowledge and delete entries (their results are stored)."""
-        ids = list(entry_ids)
-        if not ids:
+        by_stream = _by_stream((d.stream, d.entry_id) for d in deliveries)
+        if not by_stream:
             return
         pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.stream, CONSUMER_GROUP, *ids)
-        pipe.xdel(self.stream, *ids)
+        for stream, ids in by_stream.items():
+            pipe.xack(stream, CONSUMER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
         pipe.execute()
 
     def heartbeat(self, worker_id: str, lease_ttl_ms: int, window: int = 0) -> None:
         """Renew ``worker_id``'s lease on the entries it holds; ``window`` is how many jobs it
-        wants kept in the stream for it (see :meth:`window`)."""
+        wants kept in the streams for it (see :meth:`window`)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(worker_id), self.model, px=lease_ttl_ms)
         pipe.hset(self.keys.workers(), worker_id, self.model)
@@ -162,19 +289,19 @@ class JobQueue:
         pipe.execute()
 
     def drop_heartbeat(self, worker_id: str) -> None:
-        """End the lease now, so live workers claim what ``worker_id`` still holds."""
+        """End the lease now, so live workers claim what ``worker_id`` still holds and take
+        over its buckets."""
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self.keys.heartbeat(worker_id))
         pipe.hdel(self.keys.feed_windows(self.model), worker_id)
         pipe.execute()
 
-    def window(self, floor: int) -> int:
-        """How many entries the stream should hold (waiting or held): what the live workers
-        asked for together, or ``floor`` while none is live. Dead workers' requests are
-        dropped here."""
+    def serving(self) -> dict[str, int]:
+        """The live workers of this model, each with the window it asked for. Dead workers'
+        entries leave the registry here."""
         wanted = self.client.hgetall(self.keys.feed_windows(self.model))
         if not wanted:
-            return floor
+            return {}
         pipe = self.client.pipeline(transaction=False)
         for name in wanted:
             pipe.exists(self.keys.heartbeat(name))
@@ -182,43 +309,53 @@ class JobQueue:
         dead = [n for n, hit in alive.items() if not hit]
         if dead:
             self.client.hdel(self.keys.feed_windows(self.model), *dead)
-        live = [int(wanted[n]) for n, hit in alive.items() if hit]
-        return sum(live) if live else floor
+        return {n: int(wanted[n]) for n, hit in alive.items() if hit}
+
+    def window(self, floor: int) -> int:
+        """How many entries the streams should hold (waiting or held): what the live workers
+        asked for together, or ``floor`` while none is live."""
+        return sum(self.serving().values()) or floor
 
     def length(self) -> int:
-        """Entries in the stream: waiting, or held by a worker."""
-        return int(self.client.xlen(self.stream))
+        """Entries in the streams: waiting, or held by a worker."""
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xlen(stream)
+        return sum(int(n) for n in pipe.execute())
 
-    def own_pending(self, consumer: str, page_size: int = 1000) -> list[str]:
-        """Entry ids pending on ``consumer``: after a restart under the same worker id, the
+    def own_pending(self, consumer: str, page_size: int = 1000) -> list[EntryRef]:
+        """Entries pending on ``consumer``: after a restart under the same worker id, the
         entries its previous process held (``XREADGROUP >`` never returns them again, and
         nobody claims them while the new process keeps the heartbeat alive)."""
-        ids: list[str] = []
-        start = "-"
-        while True:
-            try:
-                pending = self.client.xpending_range(
-                    self.stream, CONSUMER_GROUP, min=start, max="+", count=page_size,
-                    consumername=consumer)
-            except redis.ResponseError:  # no group yet: nothing pending
-                return ids
-            ids += [p["message_id"] for p in pending]
-            if len(pending) < page_size:
-                return ids
-            start = "(" + ids[-1]
+        refs: list[EntryRef] = []
+        for stream in self.streams:
+            start = "-"
+            while True:
+                try:
+                    pending = self.client.xpending_range(
+                        stream, CONSUMER_GROUP, min=start, max="+", count=page_size,
+                        consumername=consumer)
+                except redis.ResponseError:  # no group yet: nothing pending
+                    break
+                refs += [(stream, p["message_id"]) for p in pending]
+                if len(pending) < page_size:
+                    break
+                start = "(" + refs[-1][1]
+        return refs
 
-    def claim(self, consumer: str, entry_ids: Sequence[str],
-              min_idle_ms: int = 0) -> tuple[list[Delivery], list[str]]:
-        """``XCLAIM`` entries for ``consumer``: (deliveries, ids of entries deleted meanwhile,
-        which are acked so they leave the pending list)."""
-        if not entry_ids:
-            return [], []
-        entries = self.client.xclaim(self.stream, CONSUMER_GROUP, consumer, min_idle_ms,
-                                     list(entry_ids))
-        claimed = [_delivery(e_id, fields) for e_id, fields in entries if fields]
-        gone = [e_id for e_id, fields in entries if not fields]
-        if gone:
-            self.client.xack(self.stream, CONSUMER_GROUP, *gone)
+    def claim(self, consumer: str, refs: Sequence[EntryRef],
+              min_idle_ms: int = 0) -> tuple[list[Delivery], list[EntryRef]]:
+        """``XCLAIM`` entries for ``consumer``: (deliveries, entries deleted meanwhile, which
+        are acked so they leave the pending list)."""
+        claimed: list[Delivery] = []
+        gone: list[EntryRef] = []
+        for stream, ids in _by_stream(refs).items():
+            entries = self.client.xclaim(stream, CONSUMER_GROUP, consumer, min_idle_ms, ids)
+            claimed += [_delivery(stream, e_id, fields) for e_id, fields in entries if fields]
+            lost = [e_id for e_id, fields in entries if not fields]
+            if lost:
+                self.client.xack(stream, CONSUMER_GROUP, *lost)
+                gone += [(stream, e_id) for e_id in lost]
         return claimed, gone
 
     def claim_orphans(self, consumer: str, count: int, min_idle_ms: int) -> list[Delivery]:
@@ -231,26 +368,37 @@ class JobQueue:
         """
         if count <= 0:
             return []
-        try:
-            consumers = self.client.xinfo_consumers(self.stream, CONSUMER_GROUP)
-        except redis.ResponseError:
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xinfo_consumers(stream, CONSUMER_GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        names = {info["name"] for reply in replies if isinstance(reply, list) for info in reply}
+        names.discard(consumer)
+        pipe = self.client.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(self.keys.heartbeat(name))
+        dead = {n for n, hit in zip(names, pipe.execute(), strict=True) if not hit}
+        if not dead:
             return []
         claimed: list[Delivery] = []
-        for info in consumers:
-            name = info["name"]
-            if name == consumer or self.client.exists(self.keys.heartbeat(name)):
+        for stream, reply in zip(self.streams, replies, strict=True):
+            if not isinstance(reply, list):
                 continue
-            if int(info["pending"]) == 0:
-                self.client.xgroup_delconsumer(self.stream, CONSUMER_GROUP, name)
-                self.client.hdel(self.keys.workers(), name)
-                continue
-            pending = self.client.xpending_range(
-                self.stream, CONSUMER_GROUP, min="-", max="+", count=count - len(claimed),
-                consumername=name,
-            )
-            claimed += self.claim(consumer, [p["message_id"] for p in pending], min_idle_ms)[0]
-            if len(claimed) >= count:
-                break
+            for info in reply:
+                name = info["name"]
+                if name not in dead:
+                    continue
+                if int(info["pending"]) == 0:
+                    self.client.xgroup_delconsumer(stream, CONSUMER_GROUP, name)
+                    continue
+                if len(claimed) >= count:
+                    continue
+                pending = self.client.xpending_range(
+                    stream, CONSUMER_GROUP, min="-", max="+", count=count - len(claimed),
+                    consumername=name)
+                claimed += self.claim(consumer, [(stream, p["message_id"]) for p in pending],
+                                      min_idle_ms)[0]
+        self.client.hdel(self.keys.workers(), *dead)
         return claimed
 
     def dead_letter(self, deliveries: Sequence[Delivery], reasons: Sequence[str]) -> None:
@@ -264,9 +412,9 @@ class JobQueue:
                 {FIELD_ID: d.job_id or "", FIELD_JOB: d.payload or "", FIELD_REASON: reason},
                 maxlen=DEAD_LETTER_MAXLEN, approximate=True,
             )
-        ids = [d.entry_id for d in deliveries]
-        pipe.xack(self.stream, CONSUMER_GROUP, *ids)
-        pipe.xdel(self.stream, *ids)
+        for stream, ids in _by_stream((d.stream, d.entry_id) for d in deliveries).items():
+            pipe.xack(stream, CONSUMER_GROUP, *ids)
+            pipe.xdel(stream, *ids)
         pipe.execute()
 
     def publish_done(self, finished: Iterable[tuple[str, str]]) -> None:
@@ -286,37 +434,39 @@ class JobQueue:
 
     def depth(self) -> tuple[int, int]:
         """(entries not yet delivered, entries delivered and not yet acknowledged)."""
-        total = self.client.xlen(self.stream)
-        try:
-            pending = int(self.client.xpending(self.stream, CONSUMER_GROUP)["pending"])
-        except redis.ResponseError:
-            pending = 0
+        pipe = self.client.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xlen(stream)
+            pipe.xpending(stream, CONSUMER_GROUP)
+        replies = pipe.execute(raise_on_error=False)
+        total = sum(int(n) for n in replies[0::2])
+        pending = sum(int(r["pending"]) for r in replies[1::2] if isinstance(r, dict))
         return max(total - pending, 0), pending
+
+    def _entries(self, chunk: int) -> Iterator[tuple[str, list[tuple[str, dict[str, str]]]]]:
+        """Every entry of the streams, a page (of one stream) at a time."""
+        for stream in self.streams:
+            start = "-"
+            while True:
+                entries = self.client.xrange(stream, min=start, max="+", count=chunk)
+                yield stream, entries
+                if len(entries) < chunk:
+                    break
+                start = "(" + entries[-1][0]
 
     def drop(self, job_ids: Collection[str], chunk: int = 1000) -> int:
         """Delete the stream entries of ``job_ids`` (jobs that ended before a worker took them:
         a cancelled batch's backlog leaves Redis at once); returns how many were deleted."""
         dropped = 0
-        start = "-"
-        while True:
-            entries = self.client.xrange(self.stream, min=start, max="+", count=chunk)
+        for stream, entries in self._entries(chunk):
             doomed = [e for e, f in entries if f.get(FIELD_ID) in job_ids]
             if doomed:
-                dropped += int(self.client.xdel(self.stream, *doomed))
-            if len(entries) < chunk:
-                return dropped
-            start = "(" + entries[-1][0]
+                dropped += int(self.client.xdel(stream, *doomed))
+        return dropped
 
     def job_ids_in_stream(self, chunk: int = 1000) -> set[str]:
-        """Ids of all jobs present in the stream (waiting or held by a worker)."""
-        ids: set[str] = set()
-        start = "-"
-        while True:
-            entries = self.client.xrange(self.stream, min=start, max="+", count=chunk)
-            ids.update(f.get(FIELD_ID, "") for _, f in entries)
-            if len(entries) < chunk:
-                return ids
-            start = "(" + entries[-1][0]
+        """Ids of all jobs present in the streams (waiting or held by a worker)."""
+        return {f.get(FIELD_ID, "") for _, entries in self._entries(chunk) for _, f in entries}
 
     def live_workers(self) -> set[str]:
         """Worker ids whose heartbeat is current (see :func:`live_workers`)."""
@@ -359,6 +509,20 @@ def signal_cancel(client: redis.Redis, keys: Keys, job_id: str) -> None:
     pipe.execute()
 
 
-def _delivery(entry_id: str, fields: dict[str, str]) -> Delivery:
-    return Delivery(entry_id=entry_id, job_id=fields.get(FIELD_ID) or None,
+def _delivery(stream: str, entry_id: str, fields: dict[str, str]) -> Delivery:
+    return Delivery(stream=stream, entry_id=entry_id, job_id=fields.get(FIELD_ID) or None,
                     payload=fields.get(FIELD_JOB))
+
+
+def _priority(fields: dict[str, str]) -> int:
+    try:
+        return int(fields.get(FIELD_PRIORITY, 0))
+    except ValueError:
+        return 0
+
+
+def _by_stream(refs: Iterable[EntryRef]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for stream, entry_id in refs:
+        grouped.setdefault(stream, []).append(entry_id)
+    return grouped

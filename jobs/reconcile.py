@@ -48,7 +48,6 @@ def reconcile(store: MaintenanceStore, queue: JobQueue, grace_s: float,
         ]
         if missing:
             specs, invalid = store.specs(missing)
-            queue.ensure_group()
             queue.enqueue(specs)
             requeued += [spec.id for spec in specs]
             # Stored by an older kvbatch and refused by today's rules: they fail, with why.

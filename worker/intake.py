@@ -18,7 +18,8 @@ from collections.abc import Collection
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.limits import JobLimits
-from jobs.queue import Delivery, JobQueue
+from jobs.queue import Delivery, EntryRef, JobQueue
+from jobs.route import ROUTE_BUCKETS, owned_buckets
 from jobs.schemas import JOB_ID_PATTERN, JobSpec, JobStatus, Outcome, decode_job
 from jobs.store import Decision, DeliveryStore
 from worker.metrics import WorkerMetrics
@@ -29,6 +30,7 @@ from worker.retry import Backoff, is_outage, short_error
 log = logging.getLogger(__name__)
 
 IDLE_BLOCK_MS = 100
+ROUTE_REFRESH_S = 1.0  # how often a worker recomputes the buckets it owns
 
 
 class Intake:
@@ -36,13 +38,18 @@ class Intake:
 
     def __init__(self, queue: JobQueue, deliveries: DeliveryStore, results: ResultWriter,
                  outbox: Outbox, metrics: WorkerMetrics, limits: JobLimits, *, worker_id: str,
-                 model_name: str, max_deliveries: int, lease_ttl_s: float) -> None:
+                 model_name: str, max_deliveries: int, lease_ttl_s: float,
+                 affinity: bool = True) -> None:
         self.queue, self.deliveries, self.limits = queue, deliveries, limits
         self.results, self.outbox, self.metrics = results, outbox, metrics
         self.worker_id, self.model_name = worker_id, model_name
         self.max_deliveries, self.lease_ttl_s = max_deliveries, lease_ttl_s
+        self.affinity = affinity
         self.undecided: list[tuple[Delivery, JobSpec]] = []
-        self._own_backlog: list[str] = []  # entries pending on our name from a past process
+        self._own_backlog: list[EntryRef] = []  # entries pending on our name from a past process
+        self._own: list[int] = list(range(ROUTE_BUCKETS))  # the buckets read first
+        self._others: list[int] = []  # the buckets stolen from when ours are empty
+        self._route_at = 0.0
         self._live: set[str] = set()  # live workers as of the last pull
         self._backoff = Backoff()
         self._claim_at = 0.0
@@ -59,9 +66,11 @@ class Intake:
                      self.worker_id)
 
     def pull(self, now: float, count: int, held: Collection[str], idle: bool) -> int:
-        """Pull up to ``count`` deliveries (blocking briefly when ``idle``) and parse them;
-        ``held`` are the jobs already in the engine (a second copy of one is acked). Returns
-        how many were pulled."""
+        """Pull up to ``count`` deliveries and parse them: our own pending entries after a
+        restart, orphans of dead workers, then new entries of the buckets we own, then, while
+        room is left, stolen from the other buckets; when nothing came and ``idle``, block
+        briefly for our buckets. ``held`` are the jobs already in the engine (a second copy
+        of one is acked). Returns how many were pulled."""
         if count <= 0:
             return 0
         deliveries: list[Delivery] = []
@@ -72,12 +81,26 @@ class Intake:
             deliveries += self.queue.claim_orphans(self.worker_id, count - len(deliveries),
                                                    min_idle_ms=int(self.lease_ttl_s * 500))
             self._claim_at = now + self.lease_ttl_s / 3
-        deliveries += self.queue.read(self.worker_id, count - len(deliveries),
-                                      block_ms=IDLE_BLOCK_MS if idle and not deliveries else None)
+        self._route(now)
+        deliveries += self.queue.read(self.worker_id, count - len(deliveries), self._own)
+        deliveries += self.queue.read(self.worker_id, count - len(deliveries), self._others,
+                                      steal=True)
+        if not deliveries and idle:
+            deliveries = self.queue.wait(self.worker_id, IDLE_BLOCK_MS, self._own)
         if deliveries:
             self._live = self.queue.live_workers()
             self._accept(deliveries, held)
         return len(deliveries)
+
+    def _route(self, now: float) -> None:
+        """Recompute which buckets are ours (``jobs.route``): a worker that joined or died
+        moves buckets within :data:`ROUTE_REFRESH_S` of its heartbeat appearing or lapsing."""
+        if not self.affinity or now < self._route_at:
+            return
+        own = set(owned_buckets(self.worker_id, self.queue.serving()))
+        self._own = sorted(own)
+        self._others = [b for b in range(ROUTE_BUCKETS) if b not in own]
+        self._route_at = now + ROUTE_REFRESH_S
 
     def _accept(self, deliveries: list[Delivery], held: Collection[str]) -> None:
         now = time.time()
@@ -99,7 +122,7 @@ class Intake:
             if error is not None:
                 self.results.add(Outcome(spec.id, JobStatus.FAILED, now, error=error), d)
             elif spec.id in seen:  # a second copy (e.g. re-enqueued); the first one runs
-                self.outbox.ack([d.entry_id])
+                self.outbox.ack([d])
             else:
                 seen.add(spec.id)
                 self.undecided.append((d, spec))
@@ -146,7 +169,7 @@ class Intake:
             if decision is Decision.DEAD:
                 self._dead_letter(d, dead_reason)
             else:
-                self.outbox.ack([d.entry_id])
+                self.outbox.ack([d])
             if decision.status is not None:
                 self.outbox.notify(spec.id, decision.status.value)
                 self.metrics.job_finished(decision.status.value)

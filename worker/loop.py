@@ -128,7 +128,7 @@ class Worker:
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
                              self.metrics, self.limits, worker_id=self.worker_id,
                              model_name=s.model_name, max_deliveries=s.max_deliveries,
-                             lease_ttl_s=s.lease_ttl_s)
+                             lease_ttl_s=s.lease_ttl_s, affinity=s.affinity)
         self._redis_backoff = Backoff()
         self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()

@@ -13,15 +13,15 @@ from jobs.queue import Delivery, JobQueue
 class Outbox:
     def __init__(self, queue: JobQueue) -> None:
         self.queue = queue
-        self.acks: list[str] = []
+        self.acks: list[Delivery] = []
         self.dead: list[tuple[Delivery, str]] = []
         self.done: list[tuple[str, str]] = []
 
     def __bool__(self) -> bool:
         return bool(self.acks or self.dead or self.done)
 
-    def ack(self, entry_ids: list[str]) -> None:
-        self.acks += entry_ids
+    def ack(self, deliveries: list[Delivery]) -> None:
+        self.acks += deliveries
 
     def dead_letter(self, delivery: Delivery, reason: str) -> None:
         self.dead.append((delivery, reason))

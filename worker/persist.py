@@ -145,7 +145,7 @@ class ResultWriter:
                 if newly is None:  # not stored: first in line again
                     self._unsaved = batch + self._unsaved
                 else:
-                    self.outbox.ack([d.entry_id for _, d in batch if d is not None])
+                    self.outbox.ack([d for _, d in batch if d is not None])
                     for outcome, _ in batch:
                         if outcome.job_id in newly:
                             self.outbox.notify(outcome.job_id, outcome.status.value)

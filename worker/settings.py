@@ -83,6 +83,9 @@ class WorkerSettings(ConnectionSettings):
     feed_window: int | None = Field(None, ge=1, description="jobs kept in the model's Redis "
                                     "stream for this worker, from the SQL backlog (default: "
                                     "2 x (max_num_seqs + waiting_buffer))")
+    affinity: bool = Field(True, description="read the routing buckets this worker owns "
+                           "first, so jobs that share a prompt prefix meet in one engine "
+                           "(--no-affinity: read all buckets alike)")
     reconcile_interval_s: float = Field(30.0, gt=0, description="how often SQL and the "
                                                                 "stream are compared")
     reconcile_grace_s: float = Field(10.0, ge=0, description="reconciler leaves younger "

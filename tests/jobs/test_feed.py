@@ -44,7 +44,7 @@ def test_backlog_beyond_the_window_stays_in_sql(redis_client: redis.Redis, keys:
     q.ensure_group()
     entries = q.read("w", count=MIN_WINDOW)
     assert [d.job_id for d in entries[:10]] == [s.id for s in few]  # first come, first fed
-    q.ack([d.entry_id for d in entries[:100]])
+    q.ack(entries[:100])
     assert Feeder(q, FeedStore(sql_engine)).feed() == 100 and q.length() == MIN_WINDOW
 
 
@@ -114,7 +114,7 @@ def test_lost_entries_of_fed_jobs_come_back_and_the_backlog_stays(
     client = JobClient(redis_client, sql_engine, key_prefix=keys.prefix)
     client.submit([JobSpec(model=MODEL, prompt=f"p{i}") for i in range(MIN_WINDOW + 50)])
     q = JobQueue(redis_client, MODEL, keys)
-    redis_client.delete(q.stream)  # Redis lost its data
+    redis_client.delete(*q.streams)  # Redis lost its data
     report = reconcile(SQL(sql_engine), q, grace_s=0.0)
     assert len(report.requeued) == MIN_WINDOW == q.length()  # the fed ones only
     assert client.feed_store.has_backlog(MODEL)
@@ -188,7 +188,7 @@ def test_the_stream_delivers_a_better_priority_first(redis_client: redis.Redis,
     order = [d.job_id for d in q.read("w", count=10)]
     assert order == [u.id for u in urgent] + [s.id for s in normal[1:]] + [later.id]
     assert q.depth() == (0, 8)  # nothing lost or doubled; the first delivery still pending
-    q.ack([first.entry_id])
+    q.ack([first])
     assert q.depth() == (0, 7)
 
 

@@ -30,7 +30,7 @@ def _inject(redis_client: redis.Redis, keys: Keys, client: JobClient, spec: JobS
     client that skips the SDK's checks could send."""
     client.producer.insert_jobs([spec])
     payload = {**spec.model_dump(mode="json"), **raw}
-    redis_client.xadd(JobQueue(redis_client, MODEL, keys).stream,
+    redis_client.xadd(JobQueue(redis_client, MODEL, keys).streams[0],
                       {FIELD_ID: spec.id, FIELD_JOB: json.dumps(payload)})
 
 

@@ -21,6 +21,12 @@ def _specs(n: int, model: str = "m") -> list[JobSpec]:
     return [JobSpec(model=model, prompt=f"p{i}") for i in range(n)]
 
 
+def _consumers(redis_client: redis.Redis, q: JobQueue) -> set[str]:
+    """The consumers of the model's group, in any bucket's stream."""
+    return {c["name"] for stream in q.streams
+            for c in redis_client.xinfo_consumers(stream, CONSUMER_GROUP)}
+
+
 def test_pull_is_bounded_by_count_and_ack_deletes(redis_client: redis.Redis, keys: Keys) -> None:
     q = JobQueue(redis_client, "m", keys)
     q.ensure_group()
@@ -30,7 +36,7 @@ def test_pull_is_bounded_by_count_and_ack_deletes(redis_client: redis.Redis, key
     got = q.read("w1", count=3)
     assert [d.job_id for d in got] == [s.id for s in specs[:3]]
     assert q.depth() == (2, 3)
-    q.ack([d.entry_id for d in got])
+    q.ack(got)
     assert q.depth() == (2, 0)
     assert q.job_ids_in_stream() == {s.id for s in specs[3:]}
     assert q.read("w1", count=0) == []
@@ -54,13 +60,12 @@ def test_orphans_of_dead_worker_are_claimed_and_live_ones_never(
     rest = q.claim_orphans("rival", count=10, min_idle_ms=100)
     assert [d.entry_id for d in rest] == [held_dead[2].entry_id]
     # ...and the slow-but-alive worker keeps its job.
-    pending = redis_client.xpending_range(q.stream, CONSUMER_GROUP, "-", "+", 10)
+    pending = redis_client.xpending_range(held_slow[0].stream, CONSUMER_GROUP, "-", "+", 10)
     owners = {p["message_id"]: p["consumer"] for p in pending}
     assert owners[held_slow[0].entry_id] == "slow"
     # The next pass removes the dead consumer, which holds nothing any more.
     assert q.claim_orphans("claimer", count=10, min_idle_ms=100) == []
-    consumers = redis_client.xinfo_consumers(q.stream, CONSUMER_GROUP)
-    assert "dead" not in {c["name"] for c in consumers}
+    assert "dead" not in _consumers(redis_client, q)
     assert q.live_workers() >= {"slow", "claimer", "rival"}
 
 
@@ -68,7 +73,7 @@ def test_dead_letter_stream_keeps_payload_and_reason(redis_client: redis.Redis,
                                                      keys: Keys) -> None:
     q = JobQueue(redis_client, "m", keys)
     q.ensure_group()
-    redis_client.xadd(q.stream, {"garbage": "1"})
+    redis_client.xadd(q.streams[0], {"garbage": "1"})
     (d,) = q.read("w", 1)
     assert d.job_id is None
     q.dead_letter([d], ["malformed message: no job id"])
@@ -88,14 +93,14 @@ def test_submit_is_durable_and_reconciler_restores_lost_stream(
     q.heartbeat("w1", 10_000)
     SQL(client.engine).begin_deliveries([ids[0]], "w1", 3, time.time())
     SQL(client.engine).begin_deliveries([ids[1]], "w2", 3, time.time())
-    redis_client.delete(q.stream)  # Redis lost its data
+    redis_client.delete(*q.streams)  # Redis lost its data
 
     report = reconcile(SQL(client.engine), q, grace_s=0.0)
     assert sorted(report.requeued) == sorted(ids[1:])
     assert q.job_ids_in_stream() == set(ids[1:])
     assert reconcile(SQL(client.engine), q, grace_s=0.0).requeued == []  # nothing missing now
     # Jobs younger than the grace period may still be on their way to the stream.
-    redis_client.delete(q.stream)
+    redis_client.delete(*q.streams)
     assert reconcile(SQL(client.engine), q, grace_s=3600).requeued == []
 
 

@@ -146,7 +146,7 @@ def test_outbox_keeps_what_redis_did_not_take(redis_client: redis.Redis, keys: K
     down = redis.Redis(host="127.0.0.1", port=1, decode_responses=True,  # nothing listens
                        socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     outbox = Outbox(JobQueue(down, "m", keys))
-    outbox.ack([ok.entry_id])
+    outbox.ack([ok])
     outbox.dead_letter(bad, "unreadable")
     outbox.notify(ok.job_id, "succeeded")
     with pytest.raises(redis.ConnectionError):
@@ -264,11 +264,12 @@ def test_registry_of_workers_is_pruned(redis_client: redis.Redis, keys: Keys) ->
     assert set(redis_client.hkeys(keys.workers())) == {"alive"}
     # A dead consumer with nothing pending leaves the group and the registry.
     q.enqueue([JobSpec(model="m", prompt="p")])
-    q.ack([d.entry_id for d in q.read("gone-1", 1)])
+    q.ack(q.read("gone-1", 1))
     q.heartbeat("gone-1", 60_000)
     redis_client.delete(keys.heartbeat("gone-1"))
     q.claim_orphans("alive", 10, min_idle_ms=0)
-    consumers = {c["name"] for c in redis_client.xinfo_consumers(q.stream, CONSUMER_GROUP)}
+    consumers = {c["name"] for stream in q.streams
+                 for c in redis_client.xinfo_consumers(stream, CONSUMER_GROUP)}
     assert "gone-1" not in consumers and set(redis_client.hkeys(keys.workers())) == {"alive"}
 
 

@@ -100,13 +100,13 @@ def test_bad_jobs_fail_alone_with_readable_errors(
     SQL(client.engine).insert_jobs([not_json, wrong_schema, bad_sampling, other_model])
     q = JobQueue(redis_client, MODEL, keys)
     bad_payload = {**bad_sampling.model_dump(mode="json"), "sampling": {"temperature": -1.0}}
-    redis_client.xadd(q.stream, {FIELD_ID: bad_sampling.id, FIELD_JOB: json.dumps(bad_payload)})
-    redis_client.xadd(q.stream, {FIELD_ID: not_json.id, FIELD_JOB: "{not json"})
-    redis_client.xadd(q.stream, {FIELD_ID: wrong_schema.id,
+    redis_client.xadd(q.streams[0], {FIELD_ID: bad_sampling.id, FIELD_JOB: json.dumps(bad_payload)})
+    redis_client.xadd(q.streams[0], {FIELD_ID: not_json.id, FIELD_JOB: "{not json"})
+    redis_client.xadd(q.streams[0], {FIELD_ID: wrong_schema.id,
                                  FIELD_JOB: json.dumps({"id": wrong_schema.id, "model": MODEL})})
-    redis_client.xadd(q.stream, {FIELD_ID: other_model.id,
+    redis_client.xadd(q.streams[0], {FIELD_ID: other_model.id,
                                  FIELD_JOB: other_model.model_dump_json()})
-    redis_client.xadd(q.stream, {"junk": "no id at all"})
+    redis_client.xadd(q.streams[0], {"junk": "no id at all"})
     start_worker(max_model_len=256)
 
     infos = {i.id: i for i in client.wait([*ids, not_json.id, wrong_schema.id, bad_sampling.id,
@@ -185,7 +185,7 @@ def test_redis_data_loss_is_reconciled(redis_client: redis.Redis, keys: Keys,
                                        start_worker) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([_job(i) for i in range(10)])
-    redis_client.delete(keys.stream(MODEL))  # Redis restarted without its data
+    redis_client.delete(*JobQueue(redis_client, MODEL, keys).streams)  # Redis lost its data
     start_worker(reconcile_interval_s=0.3)
     infos = client.wait(ids, timeout_s=30)
     assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 1 for i in infos)

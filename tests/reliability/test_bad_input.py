@@ -81,7 +81,7 @@ def test_arbitrary_stream_entries(redis_client: redis.Redis, keys: Keys, pg_engi
             tried.append(spec.id)
         elif id_field is not None:
             fields[FIELD_ID.encode()] = id_field.encode("utf-8", "surrogatepass")
-        raw.xadd(q.stream, fields)
+        raw.xadd(q.streams[0], fields)
 
     push()
     raw.close()

@@ -60,7 +60,7 @@ def test_pickle_payload_is_rejected(redis_client: redis.Redis, keys: Keys, pg_en
     spec = JobSpec(model=MODEL, prompt="p")
     SQL(client.engine).insert_jobs([spec])
     raw = redis.Redis.from_url("redis://127.0.0.1:6379/0")
-    raw.xadd(keys.stream(MODEL), {FIELD_ID: spec.id, FIELD_JOB: PICKLE_PAYLOAD})
+    raw.xadd(keys.stream(MODEL, 0), {FIELD_ID: spec.id, FIELD_JOB: PICKLE_PAYLOAD})
     raw.close()
     worker = workers.start("pickled")
     (info,) = client.wait([spec.id], timeout_s=60)

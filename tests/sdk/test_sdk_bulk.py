@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from services import all_roles_store, jsonl
 
 from jobs.feed import MIN_WINDOW
+from jobs.queue import JobQueue
 from jobs.schemas import JobStatus
 from jobs.sdk import Client
 from worker.cli import main
@@ -261,11 +262,11 @@ def test_strict_checks_the_whole_file_before_storing(tmp_path: Path, client: Cli
 def test_cancelling_a_queued_batch_empties_its_stream(client: Client, redis_client) -> None:  # type: ignore[no-untyped-def]
     rows = [{"custom_id": f"c{i}", "prompt": f"item {i}"} for i in range(2500)]
     batch = client.submit_batch(rows, batch_id="to-cancel", model=MODEL)  # no worker
-    stream = client.jobs.keys.stream(MODEL)
-    assert redis_client.xlen(stream) == MIN_WINDOW  # the rest waits in SQL
+    queue = JobQueue(redis_client, MODEL, client.jobs.keys)
+    assert queue.length() == MIN_WINDOW  # the rest waits in SQL
     assert batch.cancel() == 2500  # three pages of the (batch_id, custom_id) index
     assert batch.counts().cancelled == 2500
-    assert redis_client.xlen(stream) == 0  # no worker needed to clear them
+    assert queue.length() == 0  # no worker needed to clear them
     ids = sorted(batch.job_ids.values())
     assert len(set(ids)) == 2500 and all(len(i) == 32 for i in ids)
 
