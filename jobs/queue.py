@@ -30,6 +30,10 @@ from jobs.route import ROUTE_BUCKETS, bucket_of
 from jobs.schemas import JobSpec, encode_job
 
 DEAD_LETTER_MAXLEN = 100_000
+# A worker steals an entry of another's bucket once it has waited this long: an idle owner
+# (blocked on its buckets) takes a new entry well within it, so a burst of jobs arriving at an
+# idle fleet is not scattered by whichever worker wakes first.
+STEAL_AFTER_MS = 250
 
 # Adds entries to a stream so that its undelivered part stays in priority order: the new
 # entries and the undelivered ones worse than the best new one are deleted and added again,
@@ -97,10 +101,14 @@ return ids
 #            are time-ordered);
 #   'drain': whole streams in turn, the one whose next entry has the best priority first, and
 #            among equals the one with the most undelivered entries (a thief takes runs of one
-#            prefix, not a job of each).
+#            prefix, not a job of each); only streams whose next entry was added ARGV[5] ms
+#            ago or earlier (its owner had the time to take it).
 # Returns XREADGROUP's reply: {stream, entries} for each stream read.
 _READ = """
 local group, consumer, count, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local now = redis.call('TIME')
+local added_before = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+                     - (tonumber(ARGV[5]) or 0)
 local function field(fields, name)
   for j = 1, #fields, 2 do
     if fields[j] == name then return fields[j + 1] end
@@ -125,6 +133,9 @@ for i, key in ipairs(KEYS) do
     last = '0-0'
   end
   local head = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)[1]
+  if head and mode == 'drain' and tonumber(string.match(head[1], '^(%d+)')) > added_before then
+    head = nil
+  end
   if head then
     local s = {key = key, head = head, take = 0}
     if mode == 'drain' then
@@ -236,13 +247,14 @@ class JobQueue:
     def read(self, consumer: str, count: int, buckets: Sequence[int] | None = None, *,
              steal: bool = False) -> list[Delivery]:
         """Up to ``count`` new entries of ``buckets`` (all by default) for ``consumer``, now
-        (never blocks): the best priority first across them, then the oldest job; with
-        ``steal``, runs of one bucket at a time, the fullest first (see ``_READ``)."""
+        (never blocks): the best priority first across them, then the oldest job. With
+        ``steal``, runs of one bucket at a time, the fullest first, of buckets whose next
+        entry has waited :data:`STEAL_AFTER_MS` (see ``_READ``)."""
         streams = self._streams(buckets)
         if count <= 0 or not streams:
             return []
         reply = self._read(keys=streams, args=[CONSUMER_GROUP, consumer, count,
-                                               "drain" if steal else "merge"])
+                                               "drain" if steal else "merge", STEAL_AFTER_MS])
         found = [(stream, entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
                  for stream, entries in reply for entry_id, fields in entries]
         if not steal:  # the script's choice order, which it returns grouped by stream

@@ -47,7 +47,7 @@ class Intake:
         self.affinity = affinity
         self.undecided: list[tuple[Delivery, JobSpec]] = []
         self._own_backlog: list[EntryRef] = []  # entries pending on our name from a past process
-        self._own: list[int] = list(range(ROUTE_BUCKETS))  # the buckets read first
+        self.owned: list[int] = list(range(ROUTE_BUCKETS))  # the buckets read first
         self._others: list[int] = []  # the buckets stolen from when ours are empty
         self._route_at = 0.0
         self._live: set[str] = set()  # live workers as of the last pull
@@ -82,11 +82,11 @@ class Intake:
                                                    min_idle_ms=int(self.lease_ttl_s * 500))
             self._claim_at = now + self.lease_ttl_s / 3
         self._route(now)
-        deliveries += self.queue.read(self.worker_id, count - len(deliveries), self._own)
+        deliveries += self.queue.read(self.worker_id, count - len(deliveries), self.owned)
         deliveries += self.queue.read(self.worker_id, count - len(deliveries), self._others,
                                       steal=True)
         if not deliveries and idle:
-            deliveries = self.queue.wait(self.worker_id, IDLE_BLOCK_MS, self._own)
+            deliveries = self.queue.wait(self.worker_id, IDLE_BLOCK_MS, self.owned)
         if deliveries:
             self._live = self.queue.live_workers()
             self._accept(deliveries, held)
@@ -98,7 +98,7 @@ class Intake:
         if not self.affinity or now < self._route_at:
             return
         own = set(owned_buckets(self.worker_id, self.queue.serving()))
-        self._own = sorted(own)
+        self.owned = sorted(own)
         self._others = [b for b in range(ROUTE_BUCKETS) if b not in own]
         self._route_at = now + ROUTE_REFRESH_S
 
