@@ -182,9 +182,11 @@ def scratch_services(redis_url: str, database_url: str) -> Iterator[Services]:
 
 @contextmanager
 def worker_process(services: Services, args: argparse.Namespace, null: bool,
-                   engine_process: bool = True) -> Iterator[None]:
+                   engine_process: bool = True, name: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[None]:
     """A worker process for the run's services (its engine in a child process unless not
-    ``engine_process``); returns once it is live, stopped after."""
+    ``engine_process``; ``env`` adds settings, ``name`` names its log); returns once a
+    worker is live, stopped after."""
     from jobs.sdk import Client
 
     env = {**os.environ, "KVBATCH_REDIS_URL": services.redis_url,
@@ -192,13 +194,13 @@ def worker_process(services: Services, args: argparse.Namespace, null: bool,
            "KVBATCH_KEY_PREFIX": services.key_prefix, "KVBATCH_MODEL": args.model,
            "KVBATCH_SERVED_MODEL_NAME": MODEL_NAME, "KVBATCH_DTYPE": args.dtype,
            "KVBATCH_MAX_NUM_SEQS": str(args.max_num_seqs),
-           "KVBATCH_ENGINE_PROCESS": str(engine_process).lower()}
+           "KVBATCH_ENGINE_PROCESS": str(engine_process).lower(), **(env or {})}
     if null:
         cmd = [sys.executable, "-m", "bench.queue_path", "--serve-null",
                "--null-tokens", str(args.null_tokens)]
     else:
         cmd = [sys.executable, "-m", "worker.cli", "worker"]
-    name = "null" if null else "engine" if engine_process else "engine-thread"
+    name = name or ("null" if null else "engine" if engine_process else "engine-thread")
     log = open(Path(args.out) / f"worker-{name}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
