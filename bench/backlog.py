@@ -21,9 +21,9 @@ the run's own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -51,11 +51,22 @@ def used_memory(client: redis.Redis) -> int:
     return int(client.info("memory")["used_memory"])
 
 
-def kvbatch(args: list[str], env: dict[str, str]) -> float:
+def kvbatch(args: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """Run a ``kvbatch`` command: (seconds, its peak RSS in MiB). The peak is the process's
+    ``VmHWM`` after its exec, read until it exits: its rusage would count this process's
+    image too (the child starts as a fork of it, and Linux keeps that peak across exec)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "worker.cli", *args], env=env, cwd=REPO_ROOT,
-                   check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", *args], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL)
+    peak_kib = 0
+    while proc.poll() is None:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            peak_kib = int(status.split("VmHWM:")[1].split()[0])
+        time.sleep(0.1)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
+    return time.perf_counter() - started, peak_kib / 1024
 
 
 def main() -> None:
@@ -81,10 +92,9 @@ def main() -> None:
                "KVBATCH_DATABASE_URL": services.database_url,
                "KVBATCH_KEY_PREFIX": services.key_prefix}
         before = used_memory(r)
-        seconds = kvbatch(["submit", str(data), "-o", str(out / "results.jsonl"), "--no-wait",
-                           "--no-progress", "--model", MODEL_NAME, "--batch-id", "backlog",
-                           "--max-tokens", "8"], env)
-        rss_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        seconds, rss_mib = kvbatch(["submit", str(data), "-o", str(out / "results.jsonl"),
+                                    "--no-wait", "--no-progress", "--model", MODEL_NAME,
+                                    "--batch-id", "backlog", "--max-tokens", "8"], env)
         from jobs.client import JobClient
         from jobs.queue import JobQueue
 
@@ -121,7 +131,7 @@ def main() -> None:
             print(f"fair share: a 10-row batch after the {args.rows:,}-row one finished in "
                   f"{took:.2f}s, while {big_done() - done_before:,} rows of the big one did")
 
-        seconds = kvbatch(["cancel", "backlog"], env)  # the worker is stopped
+        seconds, _ = kvbatch(["cancel", "backlog"], env)  # the worker is stopped
         print(f"cancel: {seconds:.1f}s; Redis +{(used_memory(r) - before) / 2**20:.1f} MiB "
               f"(done markers included), stream {stream.length():,} entries")
         jobs.close()
