@@ -24,6 +24,7 @@ MAX_PAYLOAD_BYTES = 1 << 20
 FIELD_ID = "id"
 FIELD_JOB = "job"
 FIELD_PRIORITY = "priority"  # the job's priority, so the stream can be kept in order
+FIELD_SEQ = "seq"  # the job's place in its model's arrivals, across the model's streams
 FIELD_REASON = "reason"
 # How long a "job finished" marker stays for waiters that subscribe late.
 DONE_MARKER_TTL_S = 24 * 3600
@@ -41,6 +42,10 @@ class Keys:
         """Jobs of one routing bucket (``jobs.route``) waiting for (or held by) the workers of
         ``model``; group :data:`CONSUMER_GROUP`."""
         return f"{self.prefix}:jobs:{model}:{bucket}"
+
+    def arrivals(self, model: str) -> str:
+        """Counter numbering the entries added to ``model``'s streams (their ``seq`` field)."""
+        return f"{self.prefix}:arrivals:{model}"
 
     def dead_letter(self, model: str) -> str:
         """Jobs given up on: delivered too often, or unreadable."""

@@ -24,6 +24,7 @@ from jobs.constants import (
     FIELD_JOB,
     FIELD_PRIORITY,
     FIELD_REASON,
+    FIELD_SEQ,
     Keys,
 )
 from jobs.route import ROUTE_BUCKETS, bucket_of
@@ -38,14 +39,16 @@ STEAL_AFTER_MS = 250
 # Adds entries to a stream so that its undelivered part stays in priority order: the new
 # entries and the undelivered ones worse than the best new one are deleted and added again,
 # sorted by (priority, arrival). Atomic (a script), so no worker reads in between; entries
-# already delivered are never moved. Creates the group if missing. KEYS[1] the stream; ARGV[1]
-# the group, then (job id, job JSON, priority) for each new entry in arrival order.
+# already delivered are never moved. Creates the group if missing. KEYS[1] the stream;
+# ARGV[1] the group, then (job id, job JSON, priority, seq) for each new entry in arrival
+# order, where seq is its number in the model's arrivals (kept when the entry moves).
 _ENQUEUE = """
 local stream, group = KEYS[1], ARGV[1]
 local entries, best = {}, nil
-for i = 2, #ARGV, 3 do
+for i = 2, #ARGV, 4 do
   local p = tonumber(ARGV[i + 2])
-  entries[#entries + 1] = {fields = {'id', ARGV[i], 'job', ARGV[i + 1], 'priority', ARGV[i + 2]},
+  entries[#entries + 1] = {fields = {'id', ARGV[i], 'job', ARGV[i + 1], 'priority', ARGV[i + 2],
+                                     'seq', ARGV[i + 3]},
                            priority = p}
   if best == nil or p < best then best = p end
 end
@@ -96,9 +99,9 @@ return ids
 
 # Delivers up to ARGV[3] entries from the streams KEYS to consumer ARGV[2] of group ARGV[1]
 # (created where missing), choosing them by ARGV[4]:
-#   'merge': the best (priority, job id) first across all the streams, as if they were one
-#            stream (each stream's undelivered part is in priority order: _ENQUEUE; job ids
-#            are time-ordered);
+#   'merge': the best (priority, arrival) first across all the streams, as if they were one
+#            stream (each stream's undelivered part is in that order, and 'seq' numbers the
+#            model's arrivals: _ENQUEUE);
 #   'drain': whole streams in turn, the one whose next entry has the best priority first, and
 #            among equals the one with the most undelivered entries (a thief takes runs of one
 #            prefix, not a job of each); only streams whose next entry was added ARGV[5] ms
@@ -116,6 +119,7 @@ local function field(fields, name)
   return nil
 end
 local function priority(fields) return tonumber(field(fields, 'priority')) or 0 end
+local function arrival(fields) return tonumber(field(fields, 'seq')) or 0 end
 local streams = {}
 for i, key in ipairs(KEYS) do
   local last = nil
@@ -153,10 +157,7 @@ if mode == 'merge' then
       if s.head then
         if best == nil then best = s else
           local p, q = priority(s.head[2]), priority(best.head[2])
-          if p < q or (p == q and (field(s.head[2], 'id') or '') < (field(best.head[2], 'id')
-                                                                    or '')) then
-            best = s
-          end
+          if p < q or (p == q and arrival(s.head[2]) < arrival(best.head[2])) then best = s end
         end
       end
     end
@@ -210,6 +211,7 @@ class JobQueue:
         self.model = model
         self.keys = keys = keys or Keys()
         self.streams = [keys.stream(model, b) for b in range(ROUTE_BUCKETS)]
+        self.arrivals = keys.arrivals(model)
         self._enqueue = client.register_script(_ENQUEUE)
         self._read = client.register_script(_READ)
 
@@ -228,15 +230,18 @@ class JobQueue:
     def enqueue(self, specs: Sequence[JobSpec]) -> list[str]:
         """Add jobs to their buckets' streams (``jobs.route``), each in priority order among
         the entries not yet delivered (a better priority goes before worse ones already
-        waiting; equal ones keep their arrival order); returns the new entries' ids."""
-        by_bucket: dict[int, list[str]] = {}
+        waiting; equal ones keep their arrival order, numbered across the model's streams by
+        the counter ``Keys.arrivals``); returns the new entries' ids."""
         for spec in specs:
             if spec.model != self.model:
                 raise ValueError(f"job {spec.id} is for model {spec.model!r}, not {self.model!r}")
-            by_bucket.setdefault(bucket_of(spec), []).extend(
-                (spec.id, encode_job(spec), str(spec.priority)))
-        if not by_bucket:
+        if not specs:
             return []
+        first = int(self.client.incrby(self.arrivals, len(specs))) - len(specs)
+        by_bucket: dict[int, list[str]] = {}
+        for seq, spec in enumerate(specs, first + 1):
+            by_bucket.setdefault(bucket_of(spec), []).extend(
+                (spec.id, encode_job(spec), str(spec.priority), str(seq)))
         pipe = self.client.pipeline(transaction=False)
         for bucket, args in by_bucket.items():
             self._enqueue(keys=[self.streams[bucket]], args=[CONSUMER_GROUP, *args], client=pipe)
@@ -247,7 +252,7 @@ class JobQueue:
     def read(self, consumer: str, count: int, buckets: Sequence[int] | None = None, *,
              steal: bool = False) -> list[Delivery]:
         """Up to ``count`` new entries of ``buckets`` (all by default) for ``consumer``, now
-        (never blocks): the best priority first across them, then the oldest job. With
+        (never blocks): the best priority first across them, then the first to arrive. With
         ``steal``, runs of one bucket at a time, the fullest first, of buckets whose next
         entry has waited :data:`STEAL_AFTER_MS` (see ``_READ``)."""
         streams = self._streams(buckets)
@@ -258,7 +263,7 @@ class JobQueue:
         found = [(stream, entry_id, dict(zip(fields[::2], fields[1::2], strict=True)))
                  for stream, entries in reply for entry_id, fields in entries]
         if not steal:  # the script's choice order, which it returns grouped by stream
-            found.sort(key=lambda e: (_priority(e[2]), e[2].get(FIELD_ID, "")))
+            found.sort(key=lambda e: (_int(e[2], FIELD_PRIORITY), _int(e[2], FIELD_SEQ)))
         return [_delivery(*e) for e in found]
 
     def wait(self, consumer: str, block_ms: int,
@@ -526,9 +531,9 @@ def _delivery(stream: str, entry_id: str, fields: dict[str, str]) -> Delivery:
                     payload=fields.get(FIELD_JOB))
 
 
-def _priority(fields: dict[str, str]) -> int:
+def _int(fields: dict[str, str], name: str) -> int:
     try:
-        return int(fields.get(FIELD_PRIORITY, 0))
+        return int(fields.get(name, 0))
     except ValueError:
         return 0
 
