@@ -64,10 +64,9 @@ class LLMEngine:
         # One backend object for the model's layers and the runner.
         backend = get_ops(resolve_backend(config.attention_backend, device))
         torch.manual_seed(config.seed)
-        with torch.device(device):
-            model = LlamaForCausalLM(hf_config, backend, max_model_len)
-        model.load_weights(loader.iter_safetensors(model_dir))
-        model = model.to(dtype=dtype).eval()
+        model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
+        model.load_weights(loader.iter_safetensors(model_dir))  # a shard at a time
+        model.eval()
 
         per_block = (
             2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim

@@ -8,6 +8,7 @@ can load it too as the reference.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,9 +54,14 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     tie_word_embeddings: bool = False,
     initializer_range: float = 0.1,
+    rope_scaling: dict[str, Any] | None = None,
+    max_shard_size: str | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write a random model of ``model_type`` (llama, mistral or qwen2) and a tokenizer to ``path``.
+    """Write a random model of ``model_type`` (llama, mistral, qwen2 or qwen3) and a tokenizer
+    to ``path``, as transformers saves it: ``max_shard_size`` (e.g. ``"20KB"``) splits it into
+    shards with a ``model.safetensors.index.json``; ``rope_scaling`` goes to the config as it
+    is (e.g. Llama 3.1's ``{"rope_type": "llama3", ...}``).
 
     ``initializer_range`` is larger than the usual 0.02 so that logits are peaked and greedy
     decoding is not decided by near ties.
@@ -82,8 +88,10 @@ def make_tiny_model(
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=vocab_size - 3,
+        **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size
+                                   else {}))
     return path

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, RoPE tables
 from transformers' own init functions) so that greedy outputs match it token for token. With a
@@ -20,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
 from kernels import Backend, native
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
@@ -106,6 +106,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self.fused = backend.fused
+        # Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused=False)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused=False)
 
     def forward(
         self,
@@ -116,8 +122,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            h = self.num_heads
+            qk = torch.cat([self.q_norm(qk[:, :h])[0], self.k_norm(qk[:, h:])[0]], dim=1)
         # q and k rotated together: one set of elementwise ops for both.
-        qk = apply_rotary(qkv[:, : self.qk_size].view(t, -1, self.head_dim), rope, self.fused)
+        qk = apply_rotary(qk, rope, self.fused)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
@@ -183,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = _head_dim(config)
         self.scale = softmax_scale(self.head_dim)
-        self.rotary = Rotary(config, self.head_dim, max_positions)
+        with torch.device("cpu"):  # float32 tables, as transformers computes them
+            self.rotary = Rotary(config, self.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
@@ -192,6 +203,20 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def empty(cls, config: PretrainedConfig, backend: Backend, max_positions: int,
+              device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+        """The model with its weights allocated, uninitialized, in ``dtype`` on ``device``:
+        built on the meta device, so no float32 copy and no random init ever exist (an 8B
+        model would need 32 GB for those); :meth:`load_weights` fills them."""
+        with torch.device("meta"):
+            model = cls(config, backend, max_positions)
+        rotary = model.rotary  # computed tables (see __init__), which to_empty would drop
+        del model.rotary
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.rotary = rotary.to(device=device, dtype=dtype)
+        return model
 
     def forward(
         self,

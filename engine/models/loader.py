@@ -6,12 +6,12 @@ import importlib.util
 import json
 import logging
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine.config import DEFAULT_MODEL
@@ -86,17 +86,82 @@ def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the directory's ``*.safetensors`` files (pickled checkpoints refused)."""
-    files = sorted(model_dir.glob("*.safetensors"))
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files that hold the model, as Hugging Face lays them out: the shards
+    ``model.safetensors.index.json`` names, else ``model.safetensors``, else every
+    ``*.safetensors`` but Mistral's ``consolidated*.safetensors`` (the same weights in
+    Mistral's own naming, which directories from Mistral ship beside the Hugging Face ones).
+    Pickled checkpoints are refused."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shards that are not there: {missing[:3]}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(f for f in model_dir.glob("*.safetensors")
+                   if not f.name.startswith("consolidated"))
     if not files:
         raise ValueError(
-            f"no *.safetensors weights in {model_dir} (pickle checkpoints are not loaded)"
+            f"no Hugging Face safetensors weights in {model_dir} (pickle checkpoints and "
+            "Mistral's consolidated format are not loaded)"
         )
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+    return files
+
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors, the format's README).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file, each read (``readinto``, not a memory map) into a
+    tensor of its own when it is asked for. Mapped pages would count in the process's RSS until
+    the whole file is closed, a full shard on top of the weights; read this way, the loader's
+    host memory beyond the weights is the tensor being copied."""
+    with file.open("rb") as f:
+        size = file.stat().st_size
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8:
+            raise ValueError(f"{file} is not a safetensors file (header of {header_len} bytes)")
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        for name, entry in sorted(header.items(), key=lambda e: e[1]["data_offsets"][0]):
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+            begin, end = entry["data_offsets"]
+            if dtype is None:
+                raise ValueError(f"{file}: tensor {name!r} has dtype {entry['dtype']}, which "
+                                 "kvbatch does not load")
+            tensor = torch.empty(entry["shape"], dtype=dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if end - begin != nbytes or base + end > size:
+                raise ValueError(f"{file}: tensor {name!r} does not fit its offsets")
+            f.seek(base + begin)
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{file} ends inside tensor {name!r}")
+                done += n
+            yield name, tensor
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model's weight files (:func:`weight_files`), a shard at a time and a
+    tensor at a time (:func:`read_safetensors`)."""
+    for file in weight_files(model_dir):
+        yield from read_safetensors(file)
 
 
 def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase

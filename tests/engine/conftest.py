@@ -16,6 +16,18 @@ TINY_CONFIGS = {
         hidden_size=64, num_heads=8, num_kv_heads=1, head_dim=16, tie_word_embeddings=True
     ),
     "qwen2-bias": dict(model_type="qwen2", hidden_size=64, num_heads=4, num_kv_heads=2),
+    # Saved in shards of ~20 KB with model.safetensors.index.json, as the big ones are.
+    # Llama 3.1's RoPE scaling, with an original context short enough that it changes the
+    # frequencies the prompts use.
+    "llama3-rope-sharded": dict(
+        hidden_size=64, num_heads=4, num_kv_heads=2, max_shard_size="20KB",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    # Qwen3: per-head RMSNorm of q and k, head_dim apart from hidden_size / heads.
+    "qwen3-sharded": dict(model_type="qwen3", hidden_size=64, num_heads=4, num_kv_heads=2,
+                          head_dim=24, max_shard_size="20KB"),
+    "mistral-sharded": dict(model_type="mistral", hidden_size=64, num_heads=4, num_kv_heads=1,
+                            max_shard_size="20KB"),
 }
 
 

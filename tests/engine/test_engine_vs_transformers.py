@@ -59,7 +59,8 @@ def _check_against_hf(model_dir: Path, prompts: list[list[int]], outputs: list) 
 
 
 @pytest.mark.parametrize("model_name", ["llama-gqa3-hd10", "llama-mha", "llama-gqa8-tied",
-                                        "qwen2-bias"])
+                                        "qwen2-bias", "llama3-rope-sharded", "qwen3-sharded",
+                                        "mistral-sharded"])
 def test_tiny_models_match_transformers(tiny_models: dict[str, Path], model_name: str) -> None:
     model_dir = tiny_models[model_name]
     _, outputs = _run(model_dir, _prompts(200), **ENGINE_VARIANTS["default"])

@@ -1,0 +1,127 @@
+"""Host memory to load a model: kvbatch's loader against transformers' ``from_pretrained``, on
+the same random Llama of ~1.1B parameters saved in bf16 shards with an index, as a Hugging Face
+directory is.
+
+Each load runs in a fresh process: its RSS once torch and the library are imported (the
+baseline), its peak RSS (``VmHWM``) once the model is loaded in bf16, and again after a forward
+pass over 3 tokens (transformers maps the files and reads a weight's pages when first used, so
+only then is its model resident). Goal: peak at most 1.3 x the weights' bytes.
+
+    python -m bench.load_memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Llama-3.2-1B's shape but a 32,000-token vocabulary and untied embeddings.
+CONFIG = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+              num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+              max_position_embeddings=2048, tie_word_embeddings=False)
+
+_MEASURE = """
+import sys, time
+def rss(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+import torch
+which, model_dir = sys.argv[1], sys.argv[2]
+if which == "kvbatch":
+    from engine import EngineConfig, LLMEngine
+    base = rss("VmRSS:")
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cpu",
+                                    num_kv_blocks=16, max_model_len=256))
+    loaded = rss("VmHWM:")
+    engine.generate([[1, 2, 3]])
+else:
+    from transformers import AutoModelForCausalLM
+    base = rss("VmRSS:")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    loaded = rss("VmHWM:")
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+print(base * 1024, loaded * 1024, rss("VmHWM:") * 1024)
+"""
+
+
+def write_model(path: Path, shard_bytes: int) -> int:
+    """A random bf16 Llama of :data:`CONFIG` in shards of about ``shard_bytes`` with
+    ``model.safetensors.index.json``; returns the weights' bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from engine.testing import build_byte_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "model.safetensors.index.json").is_file():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        return int(index["metadata"]["total_size"])
+    build_byte_tokenizer(path)
+    AutoConfig.for_model("llama", **CONFIG).save_pretrained(path)
+    h, i, v = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
+    kv = CONFIG["num_key_value_heads"] * h // CONFIG["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for n in range(CONFIG["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
+                   p + "post_attention_layernorm.weight": (h,)}
+    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, shape in shapes.items():
+        tensor = (torch.randn(shape) * 0.02).to(torch.bfloat16)
+        if sizes[-1] and sizes[-1] + tensor.nbytes > shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += tensor.nbytes
+    weight_map = {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(sizes)
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return total
+
+
+def measure(which: str, model_dir: Path) -> tuple[int, int, int]:
+    """(RSS before loading, peak once loaded, peak after a forward pass), in bytes."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, which, str(model_dir)], cwd=REPO_ROOT,
+                         check=True, capture_output=True, text=True).stdout.split()
+    base, loaded, served = (int(x) for x in out[-3:])
+    return base, loaded, served
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="/tmp/kvbatch-bench-load")
+    parser.add_argument("--shard-mb", type=int, default=500)
+    args = parser.parse_args()
+    model_dir = Path(args.out) / "llama-1b-bf16"
+    weights = write_model(model_dir, args.shard_mb << 20)
+    n_shards = len(list(model_dir.glob("*.safetensors")))
+    gib = 2**30
+    print(f"random Llama, {weights / 2 / 1e9:.2f}B parameters, {weights / gib:.2f} GiB of bf16 "
+          f"weights in {n_shards} shards")
+    print("| loader | RSS before loading | peak, loaded | peak, after a forward | "
+          "peak / weights | (peak - before) / weights |")
+    print("|---|---|---|---|---|---|")
+    for which in ("kvbatch", "transformers"):
+        base, loaded, peak = measure(which, model_dir)
+        print(f"| {which} | {base / gib:.2f} GiB | {loaded / gib:.2f} GiB | {peak / gib:.2f} GiB"
+              f" | {peak / weights:.2f}x | {(peak - base) / weights:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
