@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,3 +31,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
+
+# Everything that needs CUDA, under the GPU machine's own Python (a CUDA build of torch; the
+# .venv holds the CPU one). ARGS=--dry-run lists the steps anywhere.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m bench.gpu_check $(ARGS)

@@ -96,7 +96,7 @@ class ModelRunner:
         # A sequence that forks into n samples gets its last row repeated n times.
         repeats = torch.tensor([1 + s.seq.pending_forks for s in sampling])
         rows_idx = ends[last].repeat_interleave(repeats.to(self.device))
-        logits = self.model.compute_logits(hidden[rows_idx]).cpu()
+        logits = self.model.compute_logits(hidden[rows_idx])  # sampled on its device
         sampled = self.sampler(logits, rows, masks)
         result: dict[int, list[Sampled]] = {}
         it = iter(sampled)

@@ -55,3 +55,21 @@ def test_profile_names_the_parts_of_a_step(tiny_model: Path, monkeypatch: pytest
 
     lib = native.library("cpu_decode")
     assert type(lib.paged_decode).__name__ != "function"  # the labels were taken off again
+
+
+def test_gpu_check_lists_its_steps_and_refuses_to_run_without_cuda() -> None:
+    import subprocess
+
+    import torch
+
+    dry = subprocess.run(["make", "-s", "gpu-check", "ARGS=--dry-run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    steps = [line.split()[0] for line in dry.stdout.splitlines() if "at most" in line]
+    assert steps == ["cuda-tests", "parity", "kernels", "throughput"]
+    assert "bench/kernels.py" in dry.stdout and "RESULTS.md" in dry.stdout
+    if torch.cuda.is_available():
+        return  # the real run is make gpu-check's own business on a GPU machine
+    real = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert real.returncode != 0 and "needs a CUDA device" in real.stderr

@@ -1,0 +1,140 @@
+"""``make gpu-check``: everything that needs a CUDA device, in one command of under 10 minutes,
+recorded as a dated row in ``bench/RESULTS.md``.
+
+Steps, each a process of its own with a time limit; the first failure ends the run with a
+non-zero status (nothing is skipped: without CUDA the check fails at once):
+
+1. ``cuda-tests``: the kernel tests (``tests/kernels``), which run on the GPU when one is
+   present, and the loader and sampler tests on the GPU's engine.
+2. ``parity``: greedy output of the engine (Triton backend, on CUDA) against transformers on
+   the default model, SmolLM2-135M-Instruct, token for token, in float32 and bfloat16; also
+   reports the peak device memory of each.
+3. ``kernels``: ``bench/kernels.py`` (decode attention as a share of the copy bandwidth
+   measured in the same run; it appends its own table).
+4. ``throughput``: a short ``bench/throughput.py`` on the shared-prefix workload against
+   transformers' static batching on the same GPU.
+
+``--dry-run`` (any machine) prints the steps and their commands and runs none.
+
+    make gpu-check                 # or: python -m bench.gpu_check
+    make gpu-check ARGS=--dry-run
+
+It runs under the machine's own Python (``GPU_PYTHON``, default ``python3``), which must have a
+CUDA build of torch and the project's dependencies: the ``.venv`` that ``make install`` makes
+holds the CPU build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS = REPO_ROOT / "bench" / "RESULTS.md"
+PROMPTS = ["The capital of France is", "def fibonacci(n):",
+           "Write a haiku about the sea.", "1, 2, 3, 5, 8, 13,"]
+NEW_TOKENS = 32
+
+STEPS: list[tuple[str, list[str], int]] = [  # name, command, time limit (s)
+    ("cuda-tests", [sys.executable, "-m", "pytest", "-x", "-q", "tests/kernels",
+                    "tests/engine/test_sampler_device.py", "tests/engine/test_loader.py"], 240),
+    ("parity", [sys.executable, "-m", "bench.gpu_check", "--parity"], 120),
+    ("kernels", [sys.executable, "bench/kernels.py"], 120),
+    ("throughput", [sys.executable, "bench/throughput.py", "--workloads", "shared-prefix",
+                    "--num-requests", "128", "--max-output", "64", "--dtype", "bfloat16",
+                    "--no-results-md"], 150),
+]
+
+
+def parity() -> None:
+    """Greedy tokens of the engine and of transformers on CUDA, float32 then bfloat16; prints
+    one JSON line per dtype and exits 1 on any difference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.config import DEFAULT_MODEL
+    from engine.models.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(DEFAULT_MODEL)
+    failed = False
+    for dtype in ("float32", "bfloat16"):
+        torch.cuda.reset_peak_memory_stats()
+        engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, device="cuda", dtype=dtype,
+                                        attention_backend="triton"))
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        ours = [o.token_ids for o in engine.generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                    min_tokens=NEW_TOKENS))]
+        peak = torch.cuda.max_memory_allocated()
+        del engine
+        ref_model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, dtype)).cuda().eval()
+        ref = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device="cuda")
+            out = ref_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=0)
+            ref.append(out[0, len(prompt):].tolist())
+        del ref_model
+        same = [a == b for a, b in zip(ours, ref, strict=True)]
+        failed |= not all(same)
+        print(json.dumps({"dtype": dtype, "identical": sum(same), "prompts": len(same),
+                          "peak_gib": round(peak / 2**30, 2)}), flush=True)
+    sys.exit(1 if failed else 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="list the steps, run none")
+    parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.parity:
+        parity()
+    if args.dry_run:
+        for name, command, limit in STEPS:
+            shown = ["python", *command[1:]]
+            print(f"{name:<11} (at most {limit} s): {' '.join(shown)}")
+        print(f"then a dated row in {RESULTS.relative_to(REPO_ROOT)}")
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu-check needs a CUDA device (torch sees none); --dry-run lists the steps")
+    device = torch.cuda.get_device_name(0)
+    rows: list[str] = []
+    status = "passed"
+    for name, command, limit in STEPS:
+        print(f"== {name}: {' '.join(command)}", flush=True)
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(command, cwd=REPO_ROOT, timeout=limit, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            output, code = proc.stdout, proc.returncode
+        except subprocess.TimeoutExpired as exc:
+            output, code = str(exc.stdout or ""), -1
+        took = time.monotonic() - started
+        print(output, flush=True)
+        tail = " ".join(output.strip().splitlines()[-3:])[:300].replace("|", "/")
+        rows.append(f"| {name} | {'ok' if code == 0 else f'FAILED ({code})'} | {took:.0f} s "
+                    f"| {tail} |")
+        if code != 0:
+            status = f"failed at {name}"
+            break
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    with RESULTS.open("a") as f:
+        f.write(f"\n## make gpu-check ({stamp}, {device}): {status}\n\n"
+                "| step | result | time | last lines |\n|---|---|---|---|\n"
+                + "\n".join(rows) + "\n")
+    print(f"gpu-check {status}; recorded in {RESULTS}")
+    sys.exit(0 if status == "passed" else 1)
+
+
+if __name__ == "__main__":
+    main()
