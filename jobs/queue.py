@@ -36,13 +36,33 @@ DEAD_LETTER_MAXLEN = 100_000
 # idle fleet is not scattered by whichever worker wakes first.
 STEAL_AFTER_MS = 250
 
+# Lua: the last id delivered to ``group`` in ``stream`` (entries after it are undelivered),
+# creating the group, and the stream, where missing.
+_LAST_DELIVERED = """
+local function last_delivered(stream, group)
+  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
+  if ok then
+    for _, g in ipairs(groups) do
+      local name, last = nil, nil
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] end
+        if g[j] == 'last-delivered-id' then last = g[j + 1] end
+      end
+      if name == group then return last end
+    end
+  end
+  redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
+  return '0-0'
+end
+"""
+
 # Adds entries to a stream so that its undelivered part stays in priority order: the new
 # entries and the undelivered ones worse than the best new one are deleted and added again,
 # sorted by (priority, arrival). Atomic (a script), so no worker reads in between; entries
 # already delivered are never moved. Creates the group if missing. KEYS[1] the stream;
 # ARGV[1] the group, then (job id, job JSON, priority, seq) for each new entry in arrival
 # order, where seq is its number in the model's arrivals (kept when the entry moves).
-_ENQUEUE = """
+_ENQUEUE = _LAST_DELIVERED + """
 local stream, group = KEYS[1], ARGV[1]
 local entries, best = {}, nil
 for i = 2, #ARGV, 4 do
@@ -52,20 +72,7 @@ for i = 2, #ARGV, 4 do
                            priority = p}
   if best == nil or p < best then best = p end
 end
-local last = nil
-local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
-if ok then
-  for _, g in ipairs(groups) do
-    for j = 1, #g, 2 do
-      if g[j] == 'name' and g[j + 1] ~= group then break end
-      if g[j] == 'last-delivered-id' then last = g[j + 1] end
-    end
-  end
-end
-if last == nil then
-  redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-  last = '0-0'
-end
+local last = last_delivered(stream, group)
 local moved = {}
 if best ~= nil then
   local moving = false
@@ -107,7 +114,7 @@ return ids
 #            prefix, not a job of each); only streams whose next entry was added ARGV[5] ms
 #            ago or earlier (its owner had the time to take it).
 # Returns XREADGROUP's reply: {stream, entries} for each stream read.
-_READ = """
+_READ = _LAST_DELIVERED + """
 local group, consumer, count, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local now = redis.call('TIME')
 local added_before = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -122,20 +129,7 @@ local function priority(fields) return tonumber(field(fields, 'priority')) or 0 
 local function arrival(fields) return tonumber(field(fields, 'seq')) or 0 end
 local streams = {}
 for i, key in ipairs(KEYS) do
-  local last = nil
-  local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', key)
-  if ok then
-    for _, g in ipairs(groups) do
-      for j = 1, #g, 2 do
-        if g[j] == 'name' and g[j + 1] ~= group then break end
-        if g[j] == 'last-delivered-id' then last = g[j + 1] end
-      end
-    end
-  end
-  if last == nil then
-    redis.call('XGROUP', 'CREATE', key, group, '0', 'MKSTREAM')
-    last = '0-0'
-  end
+  local last = last_delivered(key, group)
   local head = redis.call('XRANGE', key, '(' .. last, '+', 'COUNT', 1)[1]
   if head and mode == 'drain' and tonumber(string.match(head[1], '^(%d+)')) > added_before then
     head = nil
