@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, insert, select, text, update
+from sqlalchemy import JSON, Engine, insert, select, text, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from jobs.models import Batch, Job
@@ -46,10 +48,11 @@ class ProducerStore:
                     n = sum(1 for s in specs if s.batch_id == batch_id)
                     session.execute(update(Batch).where(Batch.id == batch_id)
                                     .values(num_jobs=Batch.num_jobs + n))
-            # A Core insert of the table (executemany, which psycopg pipelines): the ORM's bulk
-            # path costs about a third more per row here.
-            session.execute(insert(Job.__table__),
-                            [_job_row(s, now, s.model in fed) for s in specs])
+            rows = [_job_row(s, now, s.model in fed) for s in specs]
+            if session.get_bind().dialect.name == "postgresql":
+                _copy_rows(session, rows)
+            else:  # a Core insert (executemany): the ORM's bulk path costs a third more a row
+                session.execute(insert(Job.__table__), rows)
 
     def analyze(self) -> None:
         """Refresh the planner's statistics of the jobs table (PostgreSQL; SQLite needs none).
@@ -141,6 +144,25 @@ def _job_row(spec: JobSpec, created_at: datetime, fed: bool) -> dict[str, Any]:
         "attempts": 0,
         "cancel_requested": False,
     }
+
+
+def _copy_rows(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Write new ``jobs`` rows with PostgreSQL's ``COPY``, in the session's transaction: one
+    stream of rows instead of a statement a row (JSON columns go as their text)."""
+    columns = list(rows[0])
+    as_json = [isinstance(Job.__table__.c[name].type, JSON) for name in columns]
+    statement = f"COPY jobs ({', '.join(columns)}) FROM STDIN"
+    raw = session.connection().connection.driver_connection
+    dbapi = session.get_bind().dialect.dbapi
+    assert raw is not None and dbapi is not None
+    try:
+        with raw.cursor() as cursor, cursor.copy(statement) as copy:
+            for row in rows:
+                copy.write_row([json.dumps(value) if is_json else value
+                                for value, is_json in zip(row.values(), as_json, strict=True)])
+    except dbapi.Error as exc:  # as SQLAlchemy raises it (IntegrityError for a duplicate...)
+        raise DBAPIError.instance(statement, None, exc, dbapi.Error,
+                                  hide_parameters=True) from exc
 
 
 def _aware_utc(dt: datetime | None) -> datetime | None:

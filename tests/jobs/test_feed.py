@@ -11,7 +11,7 @@ import time
 
 import redis
 import sqlalchemy as sa
-from services import all_roles_store
+from services import all_roles_store, wait_until
 
 from jobs.client import JobClient
 from jobs.constants import Keys
@@ -141,6 +141,7 @@ def test_worker_drains_a_backlog_many_windows_long_in_fair_order(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     q = JobQueue(redis_client, MODEL, keys)
     start_worker(feed_window=40)
+    wait_until(lambda: q.window(MIN_WINDOW) == 40, 30, what="the worker's window")
     sampling = {"max_tokens": 2, "ignore_eos": True}
     big = [JobSpec(model=MODEL, prompt=f"big {i}", batch_id="big", custom_id=f"{i}",
                    sampling=sampling) for i in range(600)]

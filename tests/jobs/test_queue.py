@@ -49,11 +49,11 @@ def test_orphans_of_dead_worker_are_claimed_and_live_ones_never(
     q.ensure_group()
     q.enqueue(_specs(4))
     for w in ("dead", "slow", "claimer", "rival"):
-        q.heartbeat(w, lease_ttl_ms=300 if w == "dead" else 10_000)
+        q.heartbeat(w, lease_ttl_ms=1500 if w == "dead" else 60_000)
     held_dead = q.read("dead", count=3)
     held_slow = q.read("slow", count=1)
     assert q.claim_orphans("claimer", count=10, min_idle_ms=100) == []  # everyone alive
-    time.sleep(0.4)  # "dead" stops heartbeating; its lease expires
+    time.sleep(1.6)  # "dead" stops heartbeating; its lease expires
     claimed = q.claim_orphans("claimer", count=2, min_idle_ms=100)
     assert [d.entry_id for d in claimed] == [d.entry_id for d in held_dead[:2]]
     # A rival claiming right after gets nothing of what was just claimed (idle reset)...
