@@ -55,6 +55,20 @@ def _chat(tokenizer: PreTrainedTokenizerBase, system: str, user: str) -> list[in
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def shared_system_workload(name: str, tokenizer: PreTrainedTokenizerBase, num_requests: int,
+                           system_tokens: int, user_tokens: tuple[int, int],
+                           output_tokens: tuple[int, int], seed: int) -> Workload:
+    """Chat requests that share one system prompt of ``system_tokens`` tokens, each with a user
+    message and an output length drawn from the given (low, high) ranges."""
+    rng = random.Random(f"{name}-{seed}")
+    system = _text(rng, tokenizer, system_tokens)
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        prompts.append(_chat(tokenizer, system, _text(rng, tokenizer, rng.randint(*user_tokens))))
+        max_tokens.append(rng.randint(*output_tokens))
+    return Workload(name, prompts, max_tokens)
+
+
 def make_workload(
     name: str,
     tokenizer: PreTrainedTokenizerBase,
@@ -74,10 +88,9 @@ def make_workload(
     prompts: list[list[int]] = []
     max_tokens: list[int] = []
     if name == "shared-prefix":
-        system = _text(rng, tokenizer, 400)
-        for _ in range(num_requests):
-            prompts.append(_chat(tokenizer, system, _text(rng, tokenizer, rng.randint(20, 200))))
-            max_tokens.append(rng.randint(low, 256))
+        w = shared_system_workload(name, tokenizer, num_requests, 400, (20, 200), (low, 256),
+                                   seed)
+        prompts, max_tokens = w.prompts, w.max_tokens
     elif name == "mixed":
         for _ in range(num_requests):
             prompts.append(

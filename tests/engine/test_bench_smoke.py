@@ -73,3 +73,19 @@ def test_gpu_check_lists_its_steps_and_refuses_to_run_without_cuda() -> None:
     real = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert real.returncode != 0 and "needs a CUDA device" in real.stderr
+
+
+def test_peer_bench_runs_kvbatchs_half_on_a_tiny_model(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/peer.py without a llama-server binary: the kvbatch rows, cold and warm, and the
+    single-request latency (the llama-server half needs the binary: see its docstring)."""
+    monkeypatch.setattr(sys, "argv", ["peer.py", "--model", str(tiny_model), "--dtype",
+                                      "float32", "--concurrency", "3", "--out", str(tmp_path)])
+    monkeypatch.syspath_prepend(str(REPO))
+    runpy.run_path(str(REPO / "bench" / "peer.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("| kvbatch | 3 |")]
+    cold, warm = (float(cell) for cell in row.strip("|").split("|")[2:4])
+    assert cold > 0 and warm > 0
+    assert "single request, 64 tokens: kvbatch" in out
