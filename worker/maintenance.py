@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 
 FEED_INTERVAL_S = 1.0  # the longest wait between feeds; the loop's pulls wake it sooner
 FEED_GAP_S = 0.05  # the shortest: the loop wakes it on every pass that pulled jobs
+BACKLOG_INTERVAL_S = 10.0  # how often the SQL backlog is counted (kvbatch_queue_backlog)
 
 
 class UpkeepThread:
     """Feeds after every :meth:`wake` and at least every :data:`FEED_INTERVAL_S`; every
     ``reconcile_interval_s`` (and once at start), if no other worker of the model holds the
-    reconcile lock, runs :func:`jobs.reconcile.reconcile` first."""
+    reconcile lock, runs :func:`jobs.reconcile.reconcile` first; every
+    :data:`BACKLOG_INTERVAL_S` (and once at start) counts the SQL backlog for the
+    ``queue_backlog`` gauge."""
 
     def __init__(self, feeder: Feeder, store: MaintenanceStore, worker_id: str,
                  reconcile_interval_s: float, grace_s: float, metrics: WorkerMetrics) -> None:
@@ -60,7 +63,7 @@ class UpkeepThread:
             self.metrics.job_finished(JobStatus.EXPIRED.value)
 
     def _run(self) -> None:
-        reconcile_at = 0.0
+        reconcile_at = backlog_at = 0.0
         while not self._stop.is_set():
             self._wake.clear()
             try:
@@ -68,6 +71,9 @@ class UpkeepThread:
                     reconcile_at = time.monotonic() + self.interval_s
                     self.reconcile_once()
                 self.feeder.feed()
+                if time.monotonic() >= backlog_at:
+                    backlog_at = time.monotonic() + BACKLOG_INTERVAL_S
+                    self.metrics.queue_backlog.set(self.feeder.store.backlog(self.queue.model))
             except (SQLAlchemyError, redis.RedisError) as exc:
                 log.warning("queue upkeep skipped: %s", short_error(exc))
             except Exception:  # never let a bug here end feeding silently

@@ -57,6 +57,8 @@ class WorkerMetrics:
             "Requests swapped to host memory: always 0, the engine preempts by recomputation.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.queue_depth = gauge("queue_depth", "Jobs in the model's stream, not yet delivered.")
+        self.queue_backlog = gauge(
+            "queue_backlog", "Jobs of the model queued in SQL, not yet fed to its stream.")
         self.in_flight = gauge("jobs_in_flight", "Jobs this worker holds.")
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Submission to first scheduled.", LATENCY_BUCKETS)

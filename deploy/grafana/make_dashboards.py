@@ -67,6 +67,8 @@ def overview() -> dict[str, Any]:
         ], "short", description="Requests inside the workers' engines."),
         prom_panel(g, 2, "Queue depth", [
             (f"max by (model_name) (kvbatch_queue_depth{SEL})", "{{model_name}} waiting in Redis"),
+            (f"max by (model_name) (kvbatch_queue_backlog{SEL})",
+             "{{model_name}} waiting in SQL (backlog)"),
             (f"sum by (model_name) (kvbatch_jobs_in_flight{SEL})",
              "{{model_name}} held by workers"),
         ], "short", description="Every worker reports its model's stream depth: max, not sum."),

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from itertools import chain, zip_longest
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, and_, select, text, update
+from sqlalchemy import ColumnElement, Engine, and_, func, select, text, update
 from sqlalchemy.orm import Session
 
 from jobs.models import BACKLOG, Job
@@ -50,6 +50,13 @@ class FeedStore:
         """Whether queued jobs of ``model`` wait in SQL, not yet fed."""
         with Session(self.engine) as session:
             return session.scalar(select(Job.id).where(_backlog(model)).limit(1)) is not None
+
+    def backlog(self, model: str) -> int:
+        """How many queued jobs of ``model`` wait in SQL, not yet fed (a count over the partial
+        index ``ix_jobs_backlog``)."""
+        with Session(self.engine) as session:
+            return int(session.scalar(select(func.count()).select_from(Job)
+                                      .where(_backlog(model))) or 0)
 
     def take(self, model: str, limit: int) -> tuple[list[JobSpec], list[str]]:
         """Mark up to ``limit`` backlog jobs of ``model`` fed, in one transaction, and return

@@ -109,6 +109,23 @@ def test_concurrent_feeders_take_each_job_once(pg_engine: sa.Engine) -> None:
     assert all(taken)
 
 
+def test_the_backlog_is_counted_and_a_workers_gauge_reports_it(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker) -> None:  # type: ignore[no-untyped-def]
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    client.submit([JobSpec(model=MODEL, prompt=f"p{i}") for i in range(MIN_WINDOW + 50)])
+    assert client.feed_store.backlog(MODEL) == 50  # the window took MIN_WINDOW
+    running = start_worker(feed_window=1, max_num_seqs=1, waiting_buffer=0)
+    registry = running.worker.metrics.registry
+
+    def reported() -> float:
+        return registry.get_sample_value("kvbatch_queue_backlog", {"model_name": MODEL}) or 0.0
+
+    # The worker drains the backlog a window at a time; its first count sees most of it.
+    wait_until(lambda: reported() > 0, 30, what="a backlog count")
+    assert 0 < reported() <= 50
+    assert client.feed_store.backlog(MODEL) <= reported()
+
+
 def test_lost_entries_of_fed_jobs_come_back_and_the_backlog_stays(
         redis_client: redis.Redis, keys: Keys, sql_engine: sa.Engine) -> None:
     client = JobClient(redis_client, sql_engine, key_prefix=keys.prefix)

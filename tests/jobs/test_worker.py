@@ -63,7 +63,8 @@ def test_200_jobs_end_to_end(redis_client: redis.Redis, keys: Keys, pg_engine: s
     assert 'kvbatch_jobs_total{model_name="tiny",status="succeeded"} 200.0' in text
     for name in ("kvbatch_time_to_first_token_seconds_count", "kvbatch_kv_cache_usage_perc",
                  "kvbatch_prefix_cache_hits_total", "kvbatch_generation_tokens_total",
-                 "kvbatch_inter_token_latency_seconds_count", "kvbatch_queue_depth"):
+                 "kvbatch_inter_token_latency_seconds_count", "kvbatch_queue_depth",
+                 "kvbatch_queue_backlog"):
         assert name in text
     assert running.stop() == 0
 
