@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.queue_path import stop_process
 from bench.workloads import Workload, shared_system_workload
 
 SYSTEM_TOKENS = 170
@@ -135,11 +136,7 @@ def llama_server(args: argparse.Namespace, slots: int, log: Path) -> Iterator[st
                 time.sleep(0.5)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
 
 def _completion(url: str, prompt: list[int], max_tokens: int) -> dict:

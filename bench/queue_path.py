@@ -213,12 +213,17 @@ def worker_process(services: Services, args: argparse.Namespace, null: bool,
                 time.sleep(0.2)
         yield
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
+
+
+def stop_process(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 # -- workloads and measurements -------------------------------------------------------------
