@@ -62,6 +62,7 @@ def run_mode(args: argparse.Namespace, affinity: bool, systems: list[str],
     import redis
 
     from jobs.client import JobClient
+    from jobs.constants import Keys
     from jobs.db import make_engine
     from jobs.queue import JobQueue
     from jobs.schemas import JobSpec, JobStatus
@@ -74,8 +75,6 @@ def run_mode(args: argparse.Namespace, affinity: bool, systems: list[str],
                 "KVBATCH_BLOCK_SIZE": str(BLOCK_SIZE),
                 "KVBATCH_NUM_KV_BLOCKS": str(args.kv_blocks)}))
         r = redis.Redis.from_url(services.redis_url, decode_responses=True)
-        from jobs.constants import Keys
-
         queue = JobQueue(r, MODEL_NAME, Keys(services.key_prefix))
         while set(queue.serving()) != set(WORKERS):
             time.sleep(0.1)

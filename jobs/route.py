@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Collection
+from itertools import takewhile
 
 from jobs.schemas import JobSpec
 
@@ -30,12 +31,8 @@ def prefix_key(spec: JobSpec) -> str:
     starts with, or else the opening characters of the prompt."""
     if spec.messages is not None:
         if spec.messages[0].role == "system":
-            lead = []
-            for m in spec.messages:
-                if m.role != "system":
-                    break
-                lead.append(m.content)
-            return "system:" + json.dumps(lead)
+            lead = takewhile(lambda m: m.role == "system", spec.messages)
+            return "system:" + json.dumps([m.content for m in lead])
         return "text:" + spec.messages[0].content[:PREFIX_KEY_CHARS]
     text = spec.prompt if spec.prompt is not None else spec.raw_prompt or ""
     return "text:" + text[:PREFIX_KEY_CHARS]

@@ -2,9 +2,10 @@
 
 One pass of :meth:`Worker.tick` is a visible pipeline::
 
-    pull (Redis: cancels; then ``worker.intake``: own pending after a restart, orphans,
-    XREADGROUP COUNT=free capacity) → decide (``worker.intake``, SQL: count the delivery,
-    skip duplicates, dead-letter, expire) → admit (the engine: ``worker.engine_process``) →
+    pull (Redis: cancels; then ``worker.intake``: own pending after a restart, orphans, new
+    entries up to the free capacity from the buckets it owns, then stolen from others') →
+    decide (``worker.intake``, SQL: count the delivery, skip duplicates, dead-letter,
+    expire) → admit (the engine: ``worker.engine_process``) →
     collect outputs → hand them to the result writer → flush the outbox (acks and dead
     letters of jobs settled at intake)
 
