@@ -15,6 +15,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 # KV budget on the CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
+# Host pool for swapped-out KV blocks on CUDA when swap_space_bytes is not given (vLLM's 4 GiB).
+DEFAULT_CUDA_SWAP_BYTES = 4 * 1024**3
 
 
 def _field(default: Any, help: str) -> Any:
@@ -43,6 +45,11 @@ class EngineConfig:
         None, "size of the KV block pool; overrides the memory budget when set")
     kv_cache_memory_bytes: int | None = _field(
         None, "KV budget in bytes (default 2 GiB on the CPU)")
+    swap_space_bytes: int | None = _field(
+        None, "host memory for the KV blocks of preempted sequences (swap preemption); a "
+        "preempted sequence is swapped out while this pool has room and recomputed "
+        "otherwise. Default 4 GiB of pinned memory on CUDA, 0 (always recompute) on the "
+        "CPU, where the host pool would only be a second, slower KV pool")
     gpu_memory_utilization: float = _field(
         0.9, "on CUDA without an explicit budget, the fraction of the device memory free "
         "after loading the model that the KV pool takes")
@@ -75,6 +82,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
             )
+        if self.swap_space_bytes is not None and self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

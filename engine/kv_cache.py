@@ -38,11 +38,21 @@ class KVCacheManager:
           sequence's cache salt); the first ``seq.num_cached_blocks`` blocks are registered;
         - only full blocks are registered, and a registered block is never written again.
 
-    Methods come in check/act pairs: ``can_allocate_slots`` / ``allocate_slots``.
+    Swap preemption uses a second pool of ``num_host_blocks`` blocks in host memory
+    (``host_pool``, ``None`` without one): a swapped-out sequence's KV is in the blocks of
+    ``seq.host_block_table`` and its ``block_table`` is empty. Moving blocks between the pools
+    returns the copies for the runner to make before the step's forward.
+
+    Methods come in check/act pairs: ``can_allocate_slots`` / ``allocate_slots``,
+    ``can_swap_out`` / ``swap_out``, ``can_swap_in`` / ``swap_in``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.pool = BlockPool(num_blocks)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pending_copies: list[tuple[int, int]] = []
@@ -61,16 +71,7 @@ class KVCacheManager:
 
         At least the last token is left to compute, since its logits are needed.
         """
-        if not self.enable_prefix_caching:
-            return []
-        self.update_hashes(seq)
-        hits: list[int] = []
-        for block_hash in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        return self._cached_blocks(seq, (seq.num_tokens - 1) // self.block_size)
 
     def num_blocks_needed(
         self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = ()
@@ -116,10 +117,68 @@ class KVCacheManager:
         self.pool.touch(child.block_table)
 
     def free(self, seq: Sequence) -> None:
-        """Release a sequence's blocks, tail first so shared prefixes are evicted last."""
+        """Release a sequence's blocks (device blocks tail first, so shared prefixes are
+        evicted last; host blocks of a swapped-out sequence too)."""
         self.pool.free(reversed(seq.block_table))
         seq.block_table = []
         seq.num_cached_blocks = 0
+        if seq.host_block_table:
+            assert self.host_pool is not None
+            self.host_pool.free(seq.host_block_table)
+            seq.host_block_table = []
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.host_pool is not None and self.host_pool.can_allocate(len(seq.block_table))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give ``seq``'s KV host blocks and free its device blocks (registered ones stay in the
+        prefix cache); return the (device block, host block) copies to make."""
+        assert self.host_pool is not None
+        host = self.host_pool.allocate(len(seq.block_table))
+        copies = list(zip(seq.block_table, host, strict=True))
+        self.free(seq)
+        seq.host_block_table = host
+        return copies
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``seq`` can come back with slots for ``num_new_tokens`` more tokens."""
+        hits = self._swap_in_hits(seq)
+        table_len = max(len(seq.host_block_table),
+                        cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size))
+        need = table_len - len(hits) + self.pool.num_evictable(hits)
+        return self.pool.can_allocate(need)
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give a swapped-out ``seq`` device blocks again; return the (host block, device block)
+        copies to make. Leading blocks still in the prefix cache are taken from it instead."""
+        assert self.host_pool is not None
+        hits = self._swap_in_hits(seq)
+        self.pool.touch(hits)
+        fresh = self.pool.allocate(len(seq.host_block_table) - len(hits))
+        copies = list(zip(seq.host_block_table[len(hits) :], fresh, strict=True))
+        self.host_pool.free(seq.host_block_table)
+        seq.host_block_table = []
+        seq.block_table = hits + fresh
+        seq.num_cached_blocks = len(hits)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, seq.num_computed_tokens)
+        return copies
+
+    def _swap_in_hits(self, seq: Sequence) -> list[int]:
+        return self._cached_blocks(seq, seq.num_computed_tokens // self.block_size)
+
+    def _cached_blocks(self, seq: Sequence, max_blocks: int) -> list[int]:
+        # The blocks of the longest cached prefix of seq's first max_blocks blocks.
+        if not self.enable_prefix_caching:
+            return []
+        self.update_hashes(seq)
+        hits: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def forget(self, seq: Sequence) -> None:
         """Drop the prefix-cache entries of the blocks only ``seq`` holds (before freeing it

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from engine.config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_SWAP_BYTES, EngineConfig
 from engine.isolation import FaultIsolator, without_requests
 from engine.kv_cache import KVCacheManager
 from engine.model_runner import ModelRunner
@@ -80,11 +80,22 @@ class LLMEngine:
                 max_model_len,
             )
             max_model_len = num_blocks * block_size
+        block_shape = (block_size, model.num_kv_heads, model.head_dim)
         kv_caches = torch.zeros(
-            (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads,
-             model.head_dim),
-            dtype=dtype,
-            device=device,
+            (model.num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=device
+        )
+        num_swap_blocks = _swap_bytes(config, device) // per_block
+        host_kv_caches = None
+        if num_swap_blocks:
+            host_kv_caches = torch.empty(
+                (model.num_layers, 2, num_swap_blocks, *block_shape), dtype=dtype,
+                pin_memory=device.type == "cuda",
+            )
+        log.info(
+            "KV pool: %d blocks of %d tokens (%.2f GiB, %d sequences of max_model_len %d); "
+            "swap pool: %d blocks (%.2f GiB)", num_blocks, block_size,
+            num_blocks * per_block / 2**30, num_blocks * block_size // max_model_len,
+            max_model_len, num_swap_blocks, num_swap_blocks * per_block / 2**30,
         )
         self.info = RuntimeInfo(
             device=device,
@@ -92,18 +103,20 @@ class LLMEngine:
             attention_backend=backend.name,
             block_size=block_size,
             num_kv_blocks=num_blocks,
+            num_swap_blocks=num_swap_blocks,
             kv_bytes_per_block=per_block,
             max_model_len=max_model_len,
             vocab_size=hf_config.vocab_size,
             eos_token_ids=loader.eos_token_ids(model_dir, hf_config, self.tokenizer),
         )
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
+                                 num_swap_blocks)
         self.scheduler = Scheduler(config, self.kv, max_model_len)
         self.structured = StructuredOutput(self.tokenizer, self.info.vocab_size,
                                            self.info.eos_token_ids, native=backend.fused)
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
-            self.structured,
+            self.structured, host_kv_caches,
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
@@ -316,6 +329,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped),
             num_kv_blocks_total=pool.num_blocks,
             num_kv_blocks_free=pool.num_free_blocks,
             kv_usage=pool.usage(),
@@ -323,6 +337,7 @@ class LLMEngine:
             prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits,
             num_preemptions=c.num_preemptions,
+            num_swaps=c.num_swaps,
             num_prompt_tokens=c.num_prompt_tokens_computed,
             num_generated_tokens=c.num_generated_tokens,
             num_steps=c.num_steps,
@@ -357,3 +372,9 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * config.gpu_memory_utilization)
     return DEFAULT_CPU_KV_BYTES
+
+
+def _swap_bytes(config: EngineConfig, device: torch.device) -> int:
+    if config.swap_space_bytes is not None:
+        return config.swap_space_bytes
+    return DEFAULT_CUDA_SWAP_BYTES if device.type == "cuda" else 0

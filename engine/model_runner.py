@@ -18,10 +18,12 @@ from kernels.cpu import shared_prefix
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensor and the sampler.
+    """Owns the model, the KV cache tensors and the sampler.
 
     ``backend``: the one the model was built with. ``kv_caches``:
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` on the device;
+    ``host_kv_caches``: the same layout with the host pool's blocks (pinned on CUDA), or
+    ``None`` without swap preemption.
     """
 
     def __init__(
@@ -33,10 +35,12 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int,
         structured: StructuredOutput | None = None,
+        host_kv_caches: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.host_kv_caches = host_kv_caches
         self.block_size = block_size
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
@@ -81,9 +85,14 @@ class ModelRunner:
             torch.set_flush_denormal(False)
 
     def _run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
+        if out.swap_out:
+            assert self.host_kv_caches is not None
+            _copy_blocks(self.kv_caches, self.host_kv_caches, out.swap_out)
+        if out.swap_in:
+            assert self.host_kv_caches is not None
+            _copy_blocks(self.host_kv_caches, self.kv_caches, out.swap_in)
         if out.block_copies:
-            src, dst = zip(*out.block_copies, strict=True)
-            self.kv_caches[:, :, list(dst)] = self.kv_caches[:, :, list(src)]
+            _copy_blocks(self.kv_caches, self.kv_caches, out.block_copies)
         input_ids, positions, meta = self._prepare(out)
         sampling = [s for s in out.seqs if s.sample]
         rows = [row for s in sampling for row in self._rows(s.seq)]
@@ -155,3 +164,11 @@ class ModelRunner:
             decode_prefix=decode_prefix,
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+
+def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: tuple[tuple[int, int], ...]) -> None:
+    # One gather on the source's device, one transfer, one scatter: a step's swap is one
+    # host<->device copy, not one per block and layer. The transfer is synchronous (a gather
+    # from pinned memory is pageable); the step waits for its sampled tokens anyway.
+    src_blocks, dst_blocks = zip(*pairs, strict=True)
+    dst[:, :, list(dst_blocks)] = src[:, :, list(src_blocks)].to(dst.device)

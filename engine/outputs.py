@@ -63,6 +63,7 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
+    num_swapped: int  # preempted, KV in the host pool
     num_kv_blocks_total: int
     num_kv_blocks_free: int
     kv_usage: float
@@ -70,6 +71,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found cached
     num_preemptions: int
+    num_swaps: int  # preemptions that swapped the KV out rather than dropping it
     num_prompt_tokens: int  # prefill tokens computed by the model
     num_generated_tokens: int
     num_steps: int

@@ -46,6 +46,7 @@ class RuntimeInfo:
     attention_backend: str
     block_size: int
     num_kv_blocks: int
+    num_swap_blocks: int  # host pool for swap preemption (0: preemption recomputes)
     kv_bytes_per_block: int
     max_model_len: int
     vocab_size: int

@@ -25,12 +25,20 @@ class ScheduledSeq:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What one step computes. Decode-shaped entries (one new token) come first."""
+    """What one step computes. Decode-shaped entries (one new token) come first.
+
+    Before the forward the runner makes, in this order, the swap-out copies (device block,
+    host block), the swap-in copies (host block, device block) and the copy-on-write
+    ``block_copies`` (source, destination); a block freed by a swap-out may be written later
+    in the same step.
+    """
 
     seqs: tuple[ScheduledSeq, ...]
     num_decodes: int
     block_copies: tuple[tuple[int, int], ...]
     num_batched_tokens: int
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -42,6 +50,7 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0
+    num_swaps: int = 0  # of those, preemptions that swapped the KV out
     num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
     num_generated_tokens: int = 0
     num_steps: int = 0
@@ -55,8 +64,10 @@ class Scheduler:
     (priority, arrival) order after a prefix-cache lookup, all under one token budget. A
     waiting sequence whose next uncached block is being computed by a running sequence waits
     for it instead of computing it again (in-batch prefix dedup). When blocks run out, the
-    lowest-priority, latest running sequence is preempted: its blocks are freed and it goes
-    back to the front of the waiting queue to be recomputed (mostly from the prefix cache).
+    lowest-priority, latest running sequence is preempted. With a host pool that has room,
+    its KV is swapped out and it waits in ``swapped``; swapped sequences come back (swap in)
+    before any waiting one is admitted. Otherwise its blocks are freed and it goes back to the
+    front of the waiting queue to be recomputed (mostly from the prefix cache).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
@@ -65,6 +76,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # sorted by Sequence.sort_key
         self.counters = SchedulerCounters()
 
     def add(self, seq: Sequence) -> None:
@@ -72,12 +84,14 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted = False
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -86,7 +100,7 @@ class Scheduler:
             while not self.kv.can_allocate_slots(seq, n):
                 victim = self._pick_victim(i)
                 preempted = True
-                self._preempt(victim)
+                self._preempt(victim, swap_out)
                 if victim is seq:
                     break
             else:
@@ -95,6 +109,8 @@ class Scheduler:
                 i += 1
 
         if not preempted:
+            budget = self._swap_in(scheduled, budget, swap_in)
+        if not preempted and not self.swapped:
             budget = self._admit_waiting(scheduled, budget)
 
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
@@ -107,13 +123,36 @@ class Scheduler:
             num_decodes=num_decodes,
             block_copies=tuple(self.kv.take_copies()),
             num_batched_tokens=num_batched,
+            swap_out=tuple(swap_out),
+            swap_in=tuple(swap_in),
         )
+
+    def _num_seats(self) -> int:
+        return sum(1 + s.pending_forks for s in self.running)  # forks included
+
+    def _swap_in(self, scheduled: list[ScheduledSeq], budget: int,
+                 copies: list[tuple[int, int]]) -> int:
+        num_seqs = self._num_seats()
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            seats = 1 + seq.pending_forks
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_seqs + seats > self.config.max_num_seqs or not self.kv.can_swap_in(seq, n):
+                break
+            copies += self.kv.swap_in(seq)
+            del self.swapped[0]
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(self._run(seq, n))
+            budget -= n
+            num_seqs += seats
+        return budget
 
     def _admit_waiting(self, scheduled: list[ScheduledSeq], budget: int) -> int:
         in_flight = self._in_flight_prefix_hashes()
         chunked = self.config.enable_chunked_prefill
         admitted: list[Sequence] = []
-        num_seqs = sum(1 + s.pending_forks for s in self.running)  # seats, forks included
+        num_seqs = self._num_seats()
         for seq in self.waiting:
             seats = 1 + seq.pending_forks
             if budget == 0 or num_seqs + seats > self.config.max_num_seqs:
@@ -178,12 +217,18 @@ class Scheduler:
         candidates = self.running[current:]
         return max(candidates, key=Sequence.sort_key)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
         seq.metrics.num_preemptions += 1
         self.counters.num_preemptions += 1
+        if self.kv.can_swap_out(seq):
+            swap_out += self.kv.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=Sequence.sort_key)
+            self.counters.num_swaps += 1
+            return
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
         self.add(seq)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, list[Sampled]]) -> list[Sequence]:
@@ -223,9 +268,10 @@ class Scheduler:
     def finish(self, seqs: Iterable[Sequence], reason: str) -> None:
         """Finish sequences (any state) and free their blocks at once."""
         done = {id(s) for s in seqs}
-        for seq in [s for s in (*self.running, *self.waiting) if id(s) in done]:
+        for seq in [s for s in (*self.running, *self.waiting, *self.swapped) if id(s) in done]:
             self.kv.free(seq)
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = reason
         self.running = [s for s in self.running if id(s) not in done]
         self.waiting = [s for s in self.waiting if id(s) not in done]
+        self.swapped = [s for s in self.swapped if id(s) not in done]

@@ -21,6 +21,7 @@ _seq_ids = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted, its KV in the host pool
     FINISHED = "finished"
 
 
@@ -28,8 +29,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Tokens (prompt + output), how many have KV in the cache, and the blocks holding them.
 
-    ``block_table`` and ``block_hashes`` are maintained by the KV cache manager;
-    ``num_computed_tokens`` by the scheduler.
+    ``block_table``, ``host_block_table`` and ``block_hashes`` are maintained by the KV cache
+    manager; ``num_computed_tokens`` by the scheduler. A swapped-out sequence keeps its
+    ``num_computed_tokens``: ``host_block_table`` holds their KV, ``block_table`` is empty.
     """
 
     request_id: str
@@ -46,6 +48,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     block_table: list[int] = field(default_factory=list)
+    host_block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     pending_forks: int = 0  # children still to fork at the first sample (n > 1)

@@ -54,7 +54,7 @@ class WorkerMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting in the engine.")
         self.swapped = gauge(
             "num_requests_swapped",
-            "Requests swapped to host memory: always 0, the engine preempts by recomputation.")
+            "Requests preempted with their KV swapped to the host pool (swap_space_bytes).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.queue_depth = gauge("queue_depth", "Jobs in the model's stream, not yet delivered.")
         self.queue_backlog = gauge(
@@ -87,6 +87,8 @@ class WorkerMetrics:
             (counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
              "prefix_cache_hits"),
             (counter("num_preemptions", "Preemptions."), "num_preemptions"),
+            (counter("num_swaps", "Preemptions that swapped the KV to the host pool rather "
+                                  "than dropping it."), "num_swaps"),
             (counter("grammar_compiles", "Response formats compiled (once per distinct "
                                          "format and worker; a steady rate means formats "
                                          "that do not repeat)."), "num_grammar_compiles"),
@@ -103,6 +105,7 @@ class WorkerMetrics:
         """Update from an ``EngineStats`` snapshot (its counters are cumulative)."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
         self.kv_usage.set(stats.kv_usage)
         for i, (metric, field) in enumerate(self._engine_counters):
             value = int(getattr(stats, field))

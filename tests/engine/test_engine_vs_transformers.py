@@ -1,7 +1,8 @@
 """The engine against transformers on the same weights: logits per step and greedy tokens.
 
 Every configuration the engine can run in (prefix caching on/off, chunked prefill at a tiny
-budget, a KV pool small enough to force preemptions) must give the same results.
+budget, a KV pool small enough to force preemptions, by recompute or swap) must give the same
+results.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ ENGINE_VARIANTS = {
     ),
     # 10 blocks of 16 tokens for 6 sequences of up to 80 tokens: preemption is unavoidable.
     "preempting": dict(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64),
+    # The same, with a host pool for every preempted sequence's KV.
+    "swapping": dict(num_kv_blocks=10, block_size=16, max_num_batched_tokens=64,
+                     swap_space_bytes=2**20),
     "block-size-16": dict(num_kv_blocks=256, block_size=16, max_num_batched_tokens=33),
     # The CPU default is the cpu backend; the eager reference must agree too.
     "reference-attention": dict(num_kv_blocks=128, attention_backend="torch"),
@@ -78,9 +82,13 @@ def test_engine_variants_match_transformers(tiny_model: Path, variant: str) -> N
     )
     stats = engine.stats()
     assert stats.num_kv_blocks_free == stats.num_kv_blocks_total, "blocks leaked"
-    if variant == "preempting":
+    if variant in ("preempting", "swapping"):
         assert stats.num_preemptions > 0
         assert sum(o.metrics.num_preemptions for o in outputs) == stats.num_preemptions
+        assert stats.num_swaps == (stats.num_preemptions if variant == "swapping" else 0)
+        assert stats.num_swapped == 0
+        if variant == "swapping":
+            assert engine.kv.host_pool.num_free_blocks == engine.info.num_swap_blocks
     if variant == "chunked-budget-7":
         assert stats.num_batched_tokens <= 7 * stats.num_steps
     if variant == "no-chunked-prefill":

@@ -1,4 +1,4 @@
-"""Scheduler bookkeeping without a model: chunking, budgets, prefix dedup, preemption.
+"""Scheduler bookkeeping without a model: chunking, budgets, prefix dedup, preemption, swap.
 
 The model's place is taken by a fixed next token, which is all the scheduler looks at.
 """
@@ -17,19 +17,21 @@ from engine.outputs import RequestMetrics
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 BS = 16
 NEXT_TOKEN = 7
 
 
 def make_scheduler(
-    num_blocks: int = 64, budget: int = 512, max_seqs: int = 16, caching: bool = True
+    num_blocks: int = 64, budget: int = 512, max_seqs: int = 16, caching: bool = True,
+    swap_blocks: int = 0,
 ) -> Scheduler:
     config = EngineConfig(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=caching
     )
-    return Scheduler(config, KVCacheManager(num_blocks, BS, caching), max_model_len=4096)
+    kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks=swap_blocks)
+    return Scheduler(config, kv, max_model_len=4096)
 
 
 _order = iter(range(10**9))
@@ -38,7 +40,7 @@ _order = iter(range(10**9))
 def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, priority: int = 0,
         n: int = 1) -> Sequence:
     seq = Sequence(
-        request_id=f"r{len(sched.waiting) + len(sched.running)}",
+        request_id=f"r{len(sched.waiting) + len(sched.running) + len(sched.swapped)}",
         prompt_token_ids=prompt,
         params=SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0 if n == 1 else 1.0),
         metrics=RequestMetrics(arrival_time=time.monotonic()),
@@ -141,6 +143,81 @@ def test_preemption_takes_the_latest_and_resumes_it_first() -> None:
     assert sched.kv.pool.num_free_blocks == 4
 
 
+def test_swap_out_keeps_the_computed_tokens_and_swap_in_comes_before_admissions() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
+    a = add(sched, list(range(32)), max_tokens=20)
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    b_blocks = list(b.block_table)
+    out, _ = step(sched)  # a needs a third block: b (latest) is swapped out
+    assert [s.seq for s in out.seqs] == [a]
+    assert sched.swapped == [b] and b.status is SequenceStatus.SWAPPED
+    assert b.block_table == [] and b.num_computed_tokens == 32
+    assert out.swap_out == tuple(zip(b_blocks, b.host_block_table, strict=True))
+    assert out.swap_in == () and sched.counters.num_swaps == 1
+    assert b.metrics.num_preemptions == 1 and sched.counters.num_preemptions == 1
+    c = add(sched, list(range(200, 210)), max_tokens=2)  # waits behind the swapped b
+    while sched.swapped:
+        out, _ = step(sched)
+        assert sched.waiting == [c] or not sched.swapped  # admitted once b is back
+    host_blocks = [h for h, _ in out.swap_in]
+    assert len(host_blocks) == 2 and sched.kv.host_pool.num_free_blocks == 8
+    # b resumes where it stopped: a decode of its sampled token, no prompt recomputed.
+    (resumed,) = [s for s in out.seqs if s.seq is b]
+    assert (resumed.start, resumed.num_new_tokens) == (32, 1)
+    assert [d for _, d in out.swap_in] == b.block_table[:2]
+    while sched.has_unfinished():
+        step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 20 and c.num_output_tokens == 2
+    assert sched.counters.num_prompt_tokens_computed == 32 + 32 + 10
+
+
+def test_full_swap_pool_falls_back_to_recompute() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=1)
+    a = add(sched, list(range(32)), max_tokens=20)
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    out, _ = step(sched)  # b holds 2 blocks, the host pool 1: b is recomputed
+    assert out.swap_out == () and sched.swapped == [] and sched.waiting == [b]
+    assert b.num_computed_tokens == 0 and sched.counters.num_swaps == 0
+    while sched.has_unfinished():
+        step(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 20
+
+
+def test_swap_in_takes_blocks_still_in_the_prefix_cache() -> None:
+    sched = make_scheduler(num_blocks=5, budget=100, swap_blocks=8)
+    prefix = list(range(32))  # two full blocks, shared
+    a = add(sched, prefix + [1] * 8, max_tokens=30)
+    step(sched)
+    b = add(sched, prefix + [2] * 8, max_tokens=30)
+    step(sched)
+    assert b.block_table[:2] == a.block_table[:2]
+    shared = a.block_table[:2]
+    while not sched.swapped:
+        step(sched)
+    assert sched.swapped == [b] and len(b.host_block_table) == 3
+    while sched.swapped:
+        out, _ = step(sched)
+    # a still holds the prefix: only b's own block comes back from the host.
+    assert b.block_table[:2] == shared and len(out.swap_in) == 1
+    while sched.has_unfinished():
+        step(sched)
+    assert b.num_output_tokens == 30
+
+
+def test_finishing_a_swapped_sequence_frees_its_host_blocks() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
+    add(sched, list(range(32)), max_tokens=20)
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    step(sched)
+    assert sched.swapped == [b] and sched.kv.host_pool.num_free_blocks == 6
+    sched.finish([b], "abort")
+    assert sched.swapped == [] and b.host_block_table == []
+    assert sched.kv.host_pool.num_free_blocks == 8 and b.is_finished
+
+
 def test_priority_orders_admission_and_preemption() -> None:
     sched = make_scheduler(num_blocks=4, budget=100, max_seqs=1)
     low = add(sched, list(range(5)), priority=5)
@@ -168,6 +245,7 @@ def test_priority_orders_admission_and_preemption() -> None:
     budget=st.integers(1, 96),
     max_seqs=st.integers(1, 8),
     caching=st.booleans(),
+    swap_blocks=st.sampled_from([0, 0, 3, 40]),
 )
 def test_random_streams_finish_without_leaks(
     requests: list[tuple[int, int, int, int, int, int]],
@@ -175,10 +253,11 @@ def test_random_streams_finish_without_leaks(
     budget: int,
     max_seqs: int,
     caching: bool,
+    swap_blocks: int,
 ) -> None:
     max_seqs = max(max_seqs, 3)  # a request with n = 3 needs three seats
     sched = make_scheduler(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs,
-                           caching=caching)
+                           caching=caching, swap_blocks=swap_blocks)
     prefixes = {0: [], 1: list(range(500, 532)), 2: list(range(600, 617))}
     max_len = (num_blocks - 3) * BS  # fits alone, with room for copy-on-write
     pending = sorted(enumerate(requests), key=lambda r: r[1][2])
@@ -197,6 +276,8 @@ def test_random_streams_finish_without_leaks(
 
     assert all(r == 0 for r in sched.kv.pool.ref_counts)
     assert sched.kv.pool.num_free_blocks == num_blocks
+    if swap_blocks:
+        assert sched.kv.host_pool.num_free_blocks == swap_blocks
     for seq in families:
         assert seq.num_output_tokens == seq.params.max_tokens
 
@@ -204,8 +285,14 @@ def test_random_streams_finish_without_leaks(
 def _check_invariants(sched: Scheduler) -> None:
     pool = sched.kv.pool
     held = Counter(b for seq in sched.running for b in seq.block_table)
-    assert all(not seq.block_table for seq in sched.waiting)
+    assert all(not seq.block_table for seq in (*sched.waiting, *sched.swapped))
+    assert all(not seq.host_block_table for seq in (*sched.waiting, *sched.running))
     for block in range(pool.num_blocks):
         assert pool.ref_counts[block] == held[block] >= 0
     assert pool.num_free_blocks == pool.num_blocks - len(held)
+    host = sched.kv.host_pool
+    if host is not None:
+        on_host = Counter(b for seq in sched.swapped for b in seq.host_block_table)
+        assert all(host.ref_counts[b] == on_host[b] for b in range(host.num_blocks))
+        assert all(seq.num_computed_tokens > 0 for seq in sched.swapped)
     assert len(sched.running) <= sched.config.max_num_seqs

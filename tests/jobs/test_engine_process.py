@@ -27,11 +27,11 @@ from worker.engine_process import (
 )
 from worker.engine_thread import Abort, Add, Crashed, Event, Rejected, Stepped
 
-STATS = EngineStats(num_running=1, num_waiting=2, num_kv_blocks_total=64, num_kv_blocks_free=60,
-                    kv_usage=0.0625, kv_bytes_per_block=4096, prefix_cache_queries=10,
-                    prefix_cache_hits=4, num_preemptions=1, num_prompt_tokens=10,
-                    num_generated_tokens=3, num_steps=2, num_batched_tokens=13,
-                    num_grammar_compiles=1)
+STATS = EngineStats(num_running=1, num_waiting=2, num_swapped=1, num_kv_blocks_total=64,
+                    num_kv_blocks_free=60, kv_usage=0.0625, kv_bytes_per_block=4096,
+                    prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,
+                    num_swaps=1, num_prompt_tokens=10, num_generated_tokens=3, num_steps=2,
+                    num_batched_tokens=13, num_grammar_compiles=1)
 
 
 def _wire(message: dict) -> dict:
