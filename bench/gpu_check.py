@@ -5,7 +5,7 @@ Steps, each a process of its own with a time limit; the first failure ends the r
 non-zero status (nothing is skipped: without CUDA the check fails at once):
 
 1. ``cuda-tests``: the kernel tests (``tests/kernels``), which run on the GPU when one is
-   present, and the loader and sampler tests on the GPU's engine.
+   present, and the loader, sampler, KV-sizing and swap tests on the GPU's engine.
 2. ``parity``: greedy output of the engine (Triton backend, on CUDA) against transformers on
    the default model, SmolLM2-135M-Instruct, token for token, in float32 and bfloat16; also
    reports the peak device memory of each.
@@ -42,7 +42,8 @@ NEW_TOKENS = 32
 
 STEPS: list[tuple[str, list[str], int]] = [  # name, command, time limit (s)
     ("cuda-tests", [sys.executable, "-m", "pytest", "-x", "-q", "tests/kernels",
-                    "tests/engine/test_sampler_device.py", "tests/engine/test_loader.py"], 240),
+                    "tests/engine/test_sampler_device.py", "tests/engine/test_loader.py",
+                    "tests/engine/test_memory.py", "tests/engine/test_swap.py"], 300),
     ("parity", [sys.executable, "-m", "bench.gpu_check", "--parity"], 120),
     ("kernels", [sys.executable, "bench/kernels.py"], 120),
     ("throughput", [sys.executable, "bench/throughput.py", "--workloads", "shared-prefix",

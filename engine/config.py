@@ -51,8 +51,10 @@ class EngineConfig:
         "otherwise. Default 4 GiB of pinned memory on CUDA, 0 (always recompute) on the "
         "CPU, where the host pool would only be a second, slower KV pool")
     gpu_memory_utilization: float = _field(
-        0.9, "on CUDA without an explicit budget, the fraction of the device memory free "
-        "after loading the model that the KV pool takes")
+        0.9, "on CUDA without an explicit budget, the fraction of the device's total memory "
+        "this engine may use: the KV pool takes what is left of it after the weights, the "
+        "memory already in use and the peak activations of a profiling step at "
+        "max_num_batched_tokens")
     max_num_seqs: int = _field(256, "most sequences running at once")
     max_num_batched_tokens: int = _field(
         2048, "token budget of one engine step (prefill chunks + decodes)")

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from engine.config import DEFAULT_CPU_KV_BYTES, DEFAULT_CUDA_SWAP_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.isolation import FaultIsolator, without_requests
 from engine.kv_cache import KVCacheManager
+from engine.memory import GiB, kv_budget, swap_bytes
 from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
@@ -72,7 +73,9 @@ class LLMEngine:
             2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
             * dtype.itemsize
         )
-        num_blocks = config.num_kv_blocks or max(1, _kv_budget(config, device) // per_block)
+        num_blocks = config.num_kv_blocks or max(
+            1, kv_budget(config, model, backend, block_size) // per_block
+        )
         if num_blocks * block_size < max_model_len:
             log.warning(
                 "KV pool holds %d tokens: max_model_len lowered from %d",
@@ -84,7 +87,7 @@ class LLMEngine:
         kv_caches = torch.zeros(
             (model.num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=device
         )
-        num_swap_blocks = _swap_bytes(config, device) // per_block
+        num_swap_blocks = swap_bytes(config, device) // per_block
         host_kv_caches = None
         if num_swap_blocks:
             host_kv_caches = torch.empty(
@@ -94,8 +97,8 @@ class LLMEngine:
         log.info(
             "KV pool: %d blocks of %d tokens (%.2f GiB, %d sequences of max_model_len %d); "
             "swap pool: %d blocks (%.2f GiB)", num_blocks, block_size,
-            num_blocks * per_block / 2**30, num_blocks * block_size // max_model_len,
-            max_model_len, num_swap_blocks, num_swap_blocks * per_block / 2**30,
+            num_blocks * per_block / GiB, num_blocks * block_size // max_model_len,
+            max_model_len, num_swap_blocks, num_swap_blocks * per_block / GiB,
         )
         self.info = RuntimeInfo(
             device=device,
@@ -364,17 +367,3 @@ def _max_model_len(config: EngineConfig, hf_config: object) -> int:
         )
     return config.max_model_len
 
-
-def _kv_budget(config: EngineConfig, device: torch.device) -> int:
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * config.gpu_memory_utilization)
-    return DEFAULT_CPU_KV_BYTES
-
-
-def _swap_bytes(config: EngineConfig, device: torch.device) -> int:
-    if config.swap_space_bytes is not None:
-        return config.swap_space_bytes
-    return DEFAULT_CUDA_SWAP_BYTES if device.type == "cuda" else 0
