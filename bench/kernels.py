@@ -9,7 +9,9 @@ after a warm-up. The calls are timed twice: replayed from a CUDA graph, which is
 time and what the bandwidth figures use, and launched eagerly from Python (``eager``), which
 adds the launch cost a small case cannot hide. Decode and reshape_and_cache are memory-bound:
 they report achieved GB/s against the copy bandwidth measured in the same run, and decode is
-compared with torch SDPA over a dense (unpaged) copy of the same cache. Prefill reports
+compared with torch SDPA over a dense (unpaged) copy of the same cache. Cascade decode (rows
+sharing a prefix's blocks, read once) is compared with plain paged decode of the same tables,
+in GB/s of the distinct KV bytes. Prefill reports
 TFLOP/s against a matmul measured in the same run and is compared with dense causal SDPA.
 
 Results are checked, not only timed: every dtype (bf16, fp16, fp32) against the torch
@@ -67,6 +69,7 @@ LAYOUTS = (Layout("smollm2-135m", 9, 3, 64), Layout("llama3-8b", 32, 8, 128))
 class Sizes:
     decode: tuple[tuple[int, int], ...]  # (batch, context)
     prefill: tuple[tuple[int, int, int], ...]  # (num_seqs, q_len, cached prefix)
+    cascade: tuple[tuple[int, int, int], ...]  # (batch, shared prefix, own tokens per row)
     cache_tokens: tuple[int, ...]  # tokens written by one reshape_and_cache
     copy_bytes: int
     matmul_n: int
@@ -80,6 +83,7 @@ class Sizes:
 GPU_SIZES = Sizes(
     decode=tuple((b, c) for b in (64, 256) for c in (512, 2048, 8192)),
     prefill=((16, 512, 0), (4, 2048, 0), (16, 256, 2048)),
+    cascade=((64, 2048, 128), (256, 1024, 64)),
     cache_tokens=(256, 8192),
     copy_bytes=2 * 2**30,
     matmul_n=8192,
@@ -92,6 +96,7 @@ GPU_SIZES = Sizes(
 INTERPRET_SIZES = Sizes(
     decode=((3, 17), (2, 100)),
     prefill=((2, 17, 0), (2, 9, 40)),
+    cascade=((4, 80, 17),),
     cache_tokens=(5, 40),
     copy_bytes=16 * 2**20,
     matmul_n=256,
@@ -435,6 +440,38 @@ class Bench:
             f"  x{sdpa.graph_ms / triton.graph_ms:5.2f}"
         )
 
+    def cascade(self, layout: Layout, batch: int, prefix: int, own: int) -> None:
+        inp = make_paged(layout, [1] * batch, [prefix + own] * batch, self.dtype, self.gen)
+        shared = prefix // BLOCK_SIZE
+        tables = inp.block_tables.clone()
+        tables[:, :shared] = tables[0, :shared]  # one prompt's blocks, prefix-cached
+        rows = torch.arange(batch, device=self.device)
+        args = (inp.query, inp.key_cache, inp.value_cache, tables, inp.seq_lens,
+                layout.head_dim**-0.5)
+
+        def plain(i: int) -> torch.Tensor:
+            return self.ops.decode(*args)
+
+        def cascaded(i: int) -> torch.Tensor:
+            return self.ops.decode(*args, prefix=(rows, shared))
+
+        out = cascaded(0)
+        self.check("cascade vs plain decode", out, plain(0), self.tol)
+        gathered = 2 * batch * (prefix + own) * layout.num_kv_heads * layout.head_dim
+        if gathered <= 2**28:  # the reference upcasts a gathered copy
+            self.check("cascade vs reference", out,
+                       self.reference.paged_attention_decode(*args), self.tol)
+        distinct = 2 * (prefix + batch * own) * layout.num_kv_heads * layout.head_dim
+        distinct_bytes = distinct * self.dtype.itemsize
+        fast, slow = self.time(cascaded), self.time(plain)
+        self.emit(
+            f"cascade  {layout.name:13} batch {batch:4} prefix {prefix:5} own {own:4}  "
+            f"triton {fast.graph_ms * 1e3:8.1f} us {distinct_bytes / fast.graph_ms / 1e6:7.1f} "
+            f"GB/s (eager {fast.eager_ms * 1e3:8.1f} us)  plain decode "
+            f"{slow.graph_ms * 1e3:8.1f} us {distinct_bytes / slow.graph_ms / 1e6:7.1f} GB/s"
+            f"  x{slow.graph_ms / fast.graph_ms:5.2f}"
+        )
+
     def prefill(self, layout: Layout, num_seqs: int, q_len: int, prefix: int) -> None:
         seq_len = prefix + q_len
         inp = make_paged(layout, [q_len] * num_seqs, [seq_len] * num_seqs, self.dtype, self.gen)
@@ -559,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     for layout in LAYOUTS:
         for batch, context in sizes.decode:
             bench.decode(layout, batch, context, sizes.long_context)
+    for layout in LAYOUTS:
+        for batch, prefix, own in sizes.cascade:
+            bench.cascade(layout, batch, prefix, own)
     for layout in LAYOUTS:
         for num_seqs, q_len, prefix in sizes.prefill:
             bench.prefill(layout, num_seqs, q_len, prefix)

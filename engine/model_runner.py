@@ -14,7 +14,7 @@ from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
 from kernels import Backend, native
-from kernels.cpu import shared_prefix
+from kernels.cascade import shared_prefix
 
 
 class ModelRunner:

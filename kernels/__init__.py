@@ -2,8 +2,8 @@
 
 ``torch`` is the reference in ``kernels/reference.py`` (eager, the spec); ``cpu`` is the CPU
 path (``kernels/cpu.py``: a native C decode kernel, cascade decode, fused SDPA prefill);
-``triton`` runs the Triton kernels (the CUDA path, or the CPU under ``TRITON_INTERPRET=1``
-for tests). ``auto`` picks Triton on CUDA and the CPU ops elsewhere;
+``triton`` runs the Triton kernels, cascade decode included (the CUDA path, or the CPU under
+``TRITON_INTERPRET=1`` for tests). ``auto`` picks Triton on CUDA and the CPU ops elsewhere;
 ``KVBATCH_ATTENTION_BACKEND`` overrides the choice.
 """
 
@@ -32,7 +32,7 @@ class Backend:
     - ``reshape_and_cache``, ``decode``, ``prefill``: the three ops a paged-attention layer
       calls, with the signatures of ``reference``.
     - ``cascade``: ``decode`` also takes ``prefix=(rows, num_blocks)``, the decode rows that
-      share their first blocks (``kernels.cpu.shared_prefix``), and reads those blocks once.
+      share their first blocks (``kernels.cascade.shared_prefix``), and reads those blocks once.
     - ``fused``: the fused C layer ops of ``kernels.native`` (``rms_norm``, ``rotary_``,
       ``silu_mul``) come with it, and greedy sampling takes the C ``argmax``.
     """
@@ -86,5 +86,6 @@ def get_ops(backend: str) -> Backend:
             reshape_and_cache=reshape_and_cache,
             decode=paged_attention_decode,
             prefill=paged_attention_prefill,
+            cascade=True,
         )
     raise ValueError(f"unknown attention backend {backend!r}")

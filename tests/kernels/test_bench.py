@@ -44,12 +44,13 @@ def test_bench_checks_every_result_and_appends_its_table(tmp_path):
     decode = [line for line in table if line.startswith("decode   ")]
     prefill = [line for line in table if line.startswith("prefill  ")]
     cache = [line for line in table if line.startswith("cache    ")]
-    assert len(decode) == len(prefill) == len(cache) == 4
-    for line in decode + prefill + cache:
+    cascade = [line for line in table if line.startswith("cascade  ")]
+    assert len(decode) == len(prefill) == len(cache) == 4 and len(cascade) == 2
+    for line in decode + prefill + cache + cascade:
         times = figures(line, "us")
         assert len(times) >= 2 and all(t > 0 and math.isfinite(t) for t in times), line
-    for line in decode:
-        assert len(figures(line, "GB/s")) == 2, line  # triton and sdpa, both measured
+    for line in decode + cascade:
+        assert len(figures(line, "GB/s")) == 2, line  # triton and sdpa / plain, both measured
 
     verdict = re.fullmatch(
         rf"decode at contexts >= \d+: worst {NUMBER}% of copy bandwidth, (meets|misses) the "
@@ -60,8 +61,9 @@ def test_bench_checks_every_result_and_appends_its_table(tmp_path):
     assert (float(verdict[1]) >= 70) == (verdict[2] == "meets")
     checks = re.fullmatch(r"all (\d+) checks match the reference", table[-1])
     # 3 dtypes x (2 decode + 1 prefill) on one layout, 5 on the large pool, 2 per decode case,
-    # 1 or 2 per prefill case (SDPA where nothing is cached), 2 per cache case.
-    assert checks and int(checks[1]) == 9 + 5 + 2 * 4 + (4 + 2) + 2 * 4, table[-1]
+    # 2 per cascade case, 1 or 2 per prefill case (SDPA where nothing is cached), 2 per cache
+    # case.
+    assert checks and int(checks[1]) == 9 + 5 + 2 * 4 + 2 * 2 + (4 + 2) + 2 * 4, table[-1]
 
     text = results.read_text()
     assert text.startswith("".join(HEADER))  # the file's first lines are kept

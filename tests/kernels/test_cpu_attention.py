@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
+from kernel_cases import BLOCK_SIZES, CASCADE_SEQS, HEAD_DIMS, HEADS, share_prefix
 
 from kernels import cpu, reference
 from kernels.native import cache_dir
@@ -55,9 +55,6 @@ def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, de
 
 
 # Shared-prefix (cascade) decode: rows whose block tables start with the same blocks.
-CASCADE_SEQS = [(120, 1), (97, 1), (200, 1), (81, 1), (150, 1), (77, 1)]
-
-
 @pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
     pytest.param(64, 16, (9, 3), id="d64-bs16-h9kv3"),
     pytest.param(13, 32, (8, 1), id="d13-bs32-h8kv1"),
@@ -72,23 +69,15 @@ def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, h
                                                    layout) -> None:
     batch = paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
                         head_dim=head_dim, block_size=block_size, dtype=dtype)
-    shared_blocks = (CASCADE_SEQS[-1][0] - 1) // block_size  # every row keeps its own tail
-    sharers = range(len(CASCADE_SEQS)) if sharing == "all" else [0, 2, 3, 5]
-    tables = batch.block_tables.clone()
-    if layout == "consecutive":
-        tables[0, :shared_blocks] = torch.arange(3, 3 + shared_blocks, dtype=tables.dtype)
-    for row in sharers:
-        tables[row, :shared_blocks] = tables[0, :shared_blocks]
-    rows, shared = cpu.shared_prefix(tables.numpy(), batch.seq_lens.numpy(), block_size)
-    assert rows.tolist() == list(sharers) and shared == shared_blocks
-    assert shared * block_size >= cpu.CASCADE_MIN_TOKENS  # the cascade path really runs
+    sharers = list(range(len(CASCADE_SEQS))) if sharing == "all" else [0, 2, 3, 5]
+    tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, block_size, sharers,
+                                  consecutive=layout == "consecutive")
     args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens,
             head_dim**-0.5)
     expected = reference.paged_attention_decode(*args)
     assert_matches(cpu.paged_attention_decode(*args), expected)
     # As the engine calls it, with the prefix found once per step.
-    given = (torch.from_numpy(rows), shared)
-    assert_matches(cpu.paged_attention_decode(*args, prefix=given), expected)
+    assert_matches(cpu.paged_attention_decode(*args, prefix=prefix), expected)
 
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(333, 1)], [(16, 1), (17, 1)]],

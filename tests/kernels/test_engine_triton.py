@@ -8,14 +8,15 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.testing import make_tiny_model
-from kernels import BACKEND_ENV
+from kernels import BACKEND_ENV, paged_decode
 
-SHARED = list(range(40, 90))  # 50 tokens: three full blocks shared as a cached prefix
+SHARED = list(range(20, 90))  # 70 tokens: four full blocks shared as a cached prefix
 PROMPTS = [
     [7],
     list(range(3, 20)),  # 17 tokens: one block and one token
     [*SHARED, 1, 2, 3],
-    [*SHARED, 4, 5],  # a prefix-cache hit on SHARED's full blocks
+    [*SHARED, 4, 5],  # a prefix-cache hit on SHARED's full blocks: decodes run in cascade
+    [*SHARED, 6],
     list(range(100, 180)),  # longer than the step budget: prefilled in chunks beside decodes
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -42,8 +43,22 @@ def generate(model, backend):
     return tokens
 
 
+class _CountedLaunches:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 def test_triton_backend_generates_the_torch_tokens(tiny_gqa_model, monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    prefix_kernel = _CountedLaunches(paged_decode._shared_prefix_kernel)
+    monkeypatch.setattr(paged_decode, "_shared_prefix_kernel", prefix_kernel)
     triton_tokens = generate(tiny_gqa_model, "triton")
+    assert prefix_kernel.launches > 0  # decodes over SHARED ran in cascade
     assert triton_tokens == generate(tiny_gqa_model, "torch")
     assert all(len(tokens) == GREEDY.max_tokens for tokens in triton_tokens)

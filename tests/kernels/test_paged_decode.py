@@ -1,4 +1,4 @@
-"""Paged decode against the reference, single-pass and split-K, on awkward shapes."""
+"""Paged decode against the reference, single-pass, split-K and cascade, on awkward shapes."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import BLOCK_SIZES, HEAD_DIMS, HEADS
+from kernel_cases import BLOCK_SIZES, CASCADE_SEQS, HEAD_DIMS, HEADS, share_prefix
 
 from kernels import reference
-from kernels.paged_decode import _launch_paged_decode, default_num_splits
+from kernels.paged_decode import (
+    _launch_paged_decode,
+    default_num_splits,
+    paged_attention_decode,
+)
 
 # Context lengths around block boundaries, plus a long one that spans several splits.
 SEQ_LENS = [1, 15, 16, 17, 333]
@@ -81,6 +85,39 @@ def test_empty_sequence_gets_zeros(paged_batch, assert_matches, num_splits):
     ref = reference.paged_attention_decode(*args, scale)
     assert_matches(out[[0, 2]], ref[[0, 2]])
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "heads", "sharing", "num_splits"),
+    [
+        pytest.param(64, 16, (9, 3), "all", 1, id="d64-bs16-h9kv3-all"),
+        pytest.param(13, 32, (8, 1), "some", 1, id="d13-bs32-h8kv1-some"),
+        pytest.param(80, 16, (4, 4), "some", 3, id="d80-bs16-h4kv4-some-splits3"),
+    ],
+)
+def test_cascade_matches_reference(paged_batch, assert_matches, head_dim, block_size, heads,
+                                   sharing, num_splits):
+    batch = paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
+                        head_dim=head_dim, block_size=block_size)
+    sharers = list(range(len(CASCADE_SEQS))) if sharing == "all" else [0, 2, 3, 5]
+    tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, block_size, sharers)
+    args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens)
+    poisoned = torch.full_like(batch.query, float("nan"))
+    out = _launch_paged_decode(*args, head_dim**-0.5, num_splits=num_splits, out=poisoned,
+                               prefix=prefix)
+    assert_matches(out, reference.paged_attention_decode(*args, head_dim**-0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cascade_in_half_precision_over_several_row_tiles(paged_batch, assert_matches, dtype):
+    # 12 rows of GQA 8: 96 (row, head) pairs, two tiles of the prefix kernel.
+    seqs = [(100 + 7 * i, 1) for i in range(12)]
+    batch = paged_batch(seqs, num_heads=8, num_kv_heads=1, head_dim=16, block_size=16,
+                        dtype=dtype)
+    tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, 16, list(range(12)))
+    args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, 0.25)
+    out = paged_attention_decode(*args, prefix=prefix)
+    assert_matches(out, reference.paged_attention_decode(*args))
 
 
 def test_block_tables_without_columns():
