@@ -5,10 +5,11 @@ Steps, each a process of its own with a time limit; the first failure ends the r
 non-zero status (nothing is skipped: without CUDA the check fails at once):
 
 1. ``cuda-tests``: the kernel tests (``tests/kernels``), which run on the GPU when one is
-   present, and the loader, sampler, KV-sizing and swap tests on the GPU's engine.
+   present, and the loader, sampler, KV-sizing, swap and CUDA-graph tests on the GPU's engine.
 2. ``parity``: greedy output of the engine (Triton backend, on CUDA) against transformers on
-   the default model, SmolLM2-135M-Instruct, token for token, in float32 and bfloat16; also
-   reports the peak device memory of each.
+   the default model, SmolLM2-135M-Instruct, token for token, in float32 and bfloat16, each
+   with decode steps replayed from CUDA graphs and eagerly (``enforce_eager``); also reports
+   the peak device memory of each.
 3. ``kernels``: ``bench/kernels.py`` (decode attention as a share of the copy bandwidth
    measured in the same run; it appends its own table).
 4. ``throughput``: a short ``bench/throughput.py`` on the shared-prefix workload against
@@ -43,8 +44,9 @@ NEW_TOKENS = 32
 STEPS: list[tuple[str, list[str], int]] = [  # name, command, time limit (s)
     ("cuda-tests", [sys.executable, "-m", "pytest", "-x", "-q", "tests/kernels",
                     "tests/engine/test_sampler_device.py", "tests/engine/test_loader.py",
-                    "tests/engine/test_memory.py", "tests/engine/test_swap.py"], 300),
-    ("parity", [sys.executable, "-m", "bench.gpu_check", "--parity"], 120),
+                    "tests/engine/test_memory.py", "tests/engine/test_swap.py",
+                    "tests/engine/test_cuda_graphs.py"], 300),
+    ("parity", [sys.executable, "-m", "bench.gpu_check", "--parity"], 180),
     ("kernels", [sys.executable, "bench/kernels.py"], 120),
     ("throughput", [sys.executable, "bench/throughput.py", "--workloads", "shared-prefix",
                     "--num-requests", "128", "--max-output", "64", "--dtype", "bfloat16",
@@ -53,8 +55,9 @@ STEPS: list[tuple[str, list[str], int]] = [  # name, command, time limit (s)
 
 
 def parity() -> None:
-    """Greedy tokens of the engine and of transformers on CUDA, float32 then bfloat16; prints
-    one JSON line per dtype and exits 1 on any difference."""
+    """Greedy tokens of the engine (with and without CUDA graphs) and of transformers on CUDA,
+    float32 then bfloat16; prints one JSON line per engine run and exits 1 on any
+    difference."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -65,15 +68,20 @@ def parity() -> None:
     model_dir = resolve_model_dir(DEFAULT_MODEL)
     failed = False
     for dtype in ("float32", "bfloat16"):
-        torch.cuda.reset_peak_memory_stats()
-        engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, device="cuda", dtype=dtype,
-                                        attention_backend="triton"))
-        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-        ours = [o.token_ids for o in engine.generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                                    min_tokens=NEW_TOKENS))]
-        peak = torch.cuda.max_memory_allocated()
-        del engine
+        runs = {}
+        for eager in (False, True):
+            torch.cuda.reset_peak_memory_stats()
+            engine = LLMEngine(EngineConfig(model=DEFAULT_MODEL, device="cuda", dtype=dtype,
+                                            attention_backend="triton", enforce_eager=eager,
+                                            max_num_seqs=8, gpu_memory_utilization=0.5))
+            prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+            ours = [o.token_ids for o in engine.generate(
+                prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                        min_tokens=NEW_TOKENS))]
+            graphs = engine.runner.graphs
+            replays = graphs.num_runs if graphs is not None else 0
+            runs[eager] = ours, torch.cuda.max_memory_allocated(), replays
+            del engine
         ref_model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=getattr(torch, dtype)).cuda().eval()
         ref = []
@@ -84,10 +92,13 @@ def parity() -> None:
                                      do_sample=False, pad_token_id=0)
             ref.append(out[0, len(prompt):].tolist())
         del ref_model
-        same = [a == b for a, b in zip(ours, ref, strict=True)]
-        failed |= not all(same)
-        print(json.dumps({"dtype": dtype, "identical": sum(same), "prompts": len(same),
-                          "peak_gib": round(peak / 2**30, 2)}), flush=True)
+        for eager, (ours, peak, replays) in runs.items():
+            same = [a == b for a, b in zip(ours, ref, strict=True)]
+            failed |= not all(same) or (not eager and replays == 0)
+            print(json.dumps({"dtype": dtype, "cuda_graphs": not eager,
+                              "graph_replays": replays, "identical": sum(same),
+                              "prompts": len(same), "peak_gib": round(peak / 2**30, 2)}),
+                  flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -23,7 +23,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32
     num_decode_tokens: int
     prefill_query_start_loc: torch.Tensor  # [B - num_decode + 1] int32, rebased to 0
-    # Decode rows sharing their first blocks, and how many (for cascade backends only).
+    # Decode rows sharing their first blocks, and how many (for cascade backends only; 0 when
+    # this step's decodes run without cascade).
     decode_prefix: tuple[torch.Tensor, int] | None = None
 
 

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.isolation import FaultIsolator, without_requests
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, cdiv
 from engine.memory import GiB, kv_budget, swap_bytes
 from engine.model_runner import ModelRunner
 from engine.models import loader
@@ -84,8 +84,9 @@ class LLMEngine:
             )
             max_model_len = num_blocks * block_size
         block_shape = (block_size, model.num_kv_heads, model.head_dim)
+        # One block more than the pool hands out: the padding block of graph-replayed decodes.
         kv_caches = torch.zeros(
-            (model.num_layers, 2, num_blocks, *block_shape), dtype=dtype, device=device
+            (model.num_layers, 2, num_blocks + 1, *block_shape), dtype=dtype, device=device
         )
         num_swap_blocks = swap_bytes(config, device) // per_block
         host_kv_caches = None
@@ -123,6 +124,9 @@ class LLMEngine:
         )
         self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.max_num_seqs,
+                                             cdiv(max_model_len, block_size), capture=True)
         self.isolator = FaultIsolator(self.runner)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []

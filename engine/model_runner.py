@@ -8,20 +8,22 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampled, Sampler, SampleRow, torch_argmax
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
 from kernels import Backend, native
-from kernels.cascade import shared_prefix
+from kernels.cascade import runs_cascade, shared_prefix
 
 
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler.
 
     ``backend``: the one the model was built with. ``kv_caches``:
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` on the device;
+    ``[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`` on the device,
+    whose last block is the padding block of graph-replayed decodes (never handed out);
     ``host_kv_caches``: the same layout with the host pool's blocks (pinned on CUDA), or
     ``None`` without swap preemption.
     """
@@ -41,6 +43,7 @@ class ModelRunner:
         self.backend = backend
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
+        self.graphs: DecodeGraphs | None = None
         self.block_size = block_size
         self.device = kv_caches.device
         self.eos_token_ids = tuple(sorted(eos_token_ids))
@@ -71,6 +74,14 @@ class ModelRunner:
         self.backend.decode(query, cache[0], cache[1], tables, seq_lens, self.model.scale)
 
     @torch.inference_mode()
+    def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int, capture: bool) -> None:
+        """Run decode steps of up to ``max_num_seqs`` rows padded on static buffers, replayed
+        from CUDA graphs captured now when ``capture`` (``engine.cuda_graphs``)."""
+        padding_block = self.kv_caches.shape[2] - 1
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_blocks,
+                                   padding_block, capture)
+
+    @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
         """Compute the step; return the sampled token(s) per sampling sequence (by seq_id)."""
         if self.device.type != "cpu":
@@ -97,7 +108,7 @@ class ModelRunner:
         sampling = [s for s in out.seqs if s.sample]
         rows = [row for s in sampling for row in self._rows(s.seq)]
         masks = self.sampler.start_masks(rows)  # grammar masks fill during the forward
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, meta)
         if not sampling:
             return {}
         ends = meta.query_start_loc[1:].to(torch.long) - 1
@@ -112,6 +123,15 @@ class ModelRunner:
         for s in sampling:
             result[s.seq.seq_id] = list(itertools.islice(it, 1 + s.seq.pending_forks))
         return result
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        cascade = meta.decode_prefix is not None and meta.decode_prefix[1] > 0
+        if (self.graphs is not None and meta.num_decode_tokens == n and not cascade
+                and self.graphs.padded_size(n) is not None):
+            return self.graphs.run(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _rows(self, seq: Sequence) -> list[SampleRow]:
         p = seq.params
@@ -151,6 +171,8 @@ class ModelRunner:
         decode_prefix = None
         if self.backend.cascade:  # cascade backends get the step's shared prefix, found once
             rows, shared = shared_prefix(tables[:nd], starts[:nd] + 1, bs)
+            if not runs_cascade(len(rows), shared, bs):
+                rows, shared = rows[:0], 0  # said once here, not found again in every layer
             decode_prefix = torch.from_numpy(rows).to(dev), shared
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),

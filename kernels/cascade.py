@@ -28,3 +28,8 @@ def shared_prefix(
     tables = block_tables[rows]
     same = np.logical_and.accumulate((tables == tables[0]).all(axis=0))
     return rows, min(int(same.sum()), (int(seq_lens[rows].min()) - 1) // block_size)
+
+
+def runs_cascade(num_rows: int, num_blocks: int, block_size: int) -> bool:
+    """Whether a decode op given ``shared_prefix``'s answer reads the prefix once (cascade)."""
+    return num_rows >= 2 and num_blocks * block_size >= CASCADE_MIN_TOKENS

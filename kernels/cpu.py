@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native, reference
-from kernels.cascade import CASCADE_MIN_TOKENS, shared_prefix
+from kernels.cascade import runs_cascade, shared_prefix
 from kernels.native import PrefixSeed, paged_decode
 from kernels.reference import gather_kv
 
@@ -95,7 +95,7 @@ def paged_attention_decode(
         prefix = torch.from_numpy(rows), shared
     rows, shared = prefix
     seed = None
-    if shared * block_size >= CASCADE_MIN_TOKENS:
+    if runs_cascade(len(rows), shared, block_size):
         blocks = block_tables[rows[0], :shared]
         out, lse = _prefix_attention(query[rows], key_cache, value_cache, blocks, scale)
         seed = PrefixSeed(rows, shared, out, lse)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cascade import CASCADE_MIN_TOKENS
+from kernels.cascade import runs_cascade
 from kernels.online_softmax import (
     LOG2_E,
     MIN_DOT_DIM,
@@ -325,7 +325,7 @@ def _launch_paged_decode(
 
     group = num_heads // num_kv_heads
     rows, shared = prefix if prefix is not None else (None, 0)
-    cascade = rows is not None and len(rows) >= 2 and shared * block_size >= CASCADE_MIN_TOKENS
+    cascade = rows is not None and runs_cascade(len(rows), shared, block_size)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, max_context, _num_sms(out.device))
     partition_size = triton.cdiv(triton.cdiv(max_context, num_splits), TILE_N) * TILE_N
@@ -471,7 +471,7 @@ def paged_attention_decode(
         prefix: ``(rows, num_blocks)``: the rows (an int64 tensor on the query's device) whose
             tables start with the same ``num_blocks`` blocks, each row's ``seq_len`` past them
             (``kernels.cascade.shared_prefix``). Those blocks are then read once for all the
-            rows (cascade), when they hold at least ``CASCADE_MIN_TOKENS`` tokens.
+            rows (cascade) when ``kernels.cascade.runs_cascade`` says so.
 
     Returns:
         The attention output, in the query's dtype (accumulated in fp32).
