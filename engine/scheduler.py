@@ -66,7 +66,7 @@ class Scheduler:
     for it instead of computing it again (in-batch prefix dedup). When blocks run out, the
     lowest-priority, latest running sequence is preempted. With a host pool that has room,
     its KV is swapped out and it waits in ``swapped``; swapped sequences come back (swap in)
-    before any waiting one is admitted. Otherwise its blocks are freed and it goes back to the
+    before any waiting one of lower priority is admitted. Otherwise its blocks are freed and it goes back to the
     front of the waiting queue to be recomputed (mostly from the prefix cache).
     """
 
@@ -110,7 +110,6 @@ class Scheduler:
 
         if not preempted:
             budget = self._swap_in(scheduled, budget, swap_in)
-        if not preempted and not self.swapped:
             budget = self._admit_waiting(scheduled, budget)
 
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
@@ -153,9 +152,13 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         admitted: list[Sequence] = []
         num_seqs = self._num_seats()
+        # A swapped sequence that could not come back goes before any waiting one after it.
+        first_swapped = self.swapped[0].sort_key() if self.swapped else None
         for seq in self.waiting:
             seats = 1 + seq.pending_forks
             if budget == 0 or num_seqs + seats > self.config.max_num_seqs:
+                break
+            if first_swapped is not None and seq.sort_key() > first_swapped:
                 break
             cached = self.kv.find_cached_prefix(seq)
             start = len(cached) * self.kv.block_size

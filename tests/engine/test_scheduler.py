@@ -172,6 +172,22 @@ def test_swap_out_keeps_the_computed_tokens_and_swap_in_comes_before_admissions(
     assert sched.counters.num_prompt_tokens_computed == 32 + 32 + 10
 
 
+def test_an_urgent_request_goes_before_a_swapped_one() -> None:
+    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
+    add(sched, list(range(32)), max_tokens=20)
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    step(sched)
+    assert sched.swapped == [b]
+    urgent = add(sched, list(range(200, 204)), max_tokens=2, priority=-1)
+    while urgent.num_output_tokens == 0:
+        step(sched)
+        assert sched.swapped == [b]  # the urgent one takes the free block first
+    while sched.has_unfinished():
+        step(sched)
+    assert b.num_output_tokens == 20
+
+
 def test_full_swap_pool_falls_back_to_recompute() -> None:
     sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=1)
     a = add(sched, list(range(32)), max_tokens=20)
