@@ -66,8 +66,9 @@ class Scheduler:
     for it instead of computing it again (in-batch prefix dedup). When blocks run out, the
     lowest-priority, latest running sequence is preempted. With a host pool that has room,
     its KV is swapped out and it waits in ``swapped``; swapped sequences come back (swap in)
-    before any waiting one of lower priority is admitted. Otherwise its blocks are freed and it goes back to the
-    front of the waiting queue to be recomputed (mostly from the prefix cache).
+    before any waiting one of lower priority is admitted. Otherwise its blocks are freed and
+    it goes back to the front of the waiting queue to be recomputed (mostly from the prefix
+    cache).
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
