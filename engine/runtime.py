@@ -8,11 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+from kernels.native import cpu_has_native_bf16
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

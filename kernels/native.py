@@ -15,6 +15,8 @@ C functions in its profiles (``labelled_for_profiler``).
 - ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``rotary_``,
   ``silu_mul``), rounding where transformers' eager ops round, built without FMA contraction;
   and the row ``argmax`` of greedy sampling.
+- ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
+  weights once, bf16 ones widened as they are read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 # -fno-trapping-math (values unchanged; torch builds with it too) lets GCC turn the branches of
 # exp's clamps into selects: without AVX-512's masks, the loops calling exp would not vectorise.
@@ -58,7 +61,12 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
         "argmax_rows": [_ptr, _ptr, _i64, _i64, _i32, _i32],
         "mask_rows": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     }),
+    "cpu_linear": ((), {
+        "linear_small": [_ptr, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _i32],
+    }),
 }
+# Rows up to which ``linear`` runs the C kernel; past them torch's GEMM (compute-bound) wins.
+LINEAR_MAX_ROWS = 8
 
 
 def cache_dir() -> Path:
@@ -112,6 +120,39 @@ def library(name: str) -> ctypes.CDLL:
         getattr(lib, function).restype = None
         getattr(lib, function).argtypes = argtypes
     return lib
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on the CPU, in ``x``'s dtype, accumulated in float32.
+
+    Up to ``LINEAR_MAX_ROWS`` rows of ``x`` ([M, K]) go through the C kernel, which reads a
+    float32 or bf16 ``weight`` ([N, K]) once. More rows go to torch's GEMM, in float32 when
+    the weight is bf16 and the CPU has no bf16 arithmetic (widened first: exact, and still
+    far faster than torch's bf16 GEMM there).
+    """
+    rows = x.shape[0]
+    if x.dim() == 2 and rows <= LINEAR_MAX_ROWS and weight.dtype in (torch.float32,
+                                                                     torch.bfloat16):
+        weight = weight.contiguous()
+        xf = x.to(torch.float32).contiguous()
+        bf = None if bias is None else bias.to(torch.float32).contiguous()
+        out = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        library("cpu_linear").linear_small(
+            xf.data_ptr(), weight.data_ptr(), int(weight.dtype == torch.bfloat16),
+            None if bf is None else bf.data_ptr(), out.data_ptr(), rows, weight.shape[0],
+            weight.shape[1], torch.get_num_threads(),
+        )
+        return out.to(x.dtype)
+    if weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        widened = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), widened).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def _dtype_code(t: torch.Tensor) -> int:

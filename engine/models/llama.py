@@ -4,7 +4,9 @@ Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, R
 from transformers' own init functions) so that greedy outputs match it token for token. With a
 ``fused`` backend (the CPU one), the elementwise work between the matmuls (residual add +
 RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
-transformers' eager ops round; elsewhere it runs as those torch ops.
+transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers then go
+through ``kernels.native.linear``: a C kernel for the few rows of a decode step (the weights
+read once, bf16 ones widened as read), torch's GEMM for more.
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ class RMSNorm(nn.Module):
         # Normalised in float32, cast back, then scaled: transformers' order of operations.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype), x
+
+
+class Linear(nn.Linear):
+    """``nn.Linear``; on a ``fused`` backend (the CPU one) through ``kernels.native.linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return native.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Rotary(nn.Module):
@@ -102,10 +117,10 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qk_size = q_size + kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self.fused = backend.fused
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, self.fused)
+        self.o_proj = Linear(q_size, config.hidden_size, False, self.fused)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         # Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -138,8 +153,8 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig, fused: bool) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, fused)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, fused)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -200,9 +215,10 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused)
+        self.fused = backend.fused
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.fused)
 
     @classmethod
     def empty(cls, config: PretrainedConfig, backend: Backend, max_positions: int,
@@ -233,8 +249,11 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
-        weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if not self.tie_word_embeddings:
+            return self.lm_head(hidden)
+        if self.fused:
+            return native.linear(hidden, self.embed_tokens.weight)
+        return F.linear(hidden, self.embed_tokens.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...)."""

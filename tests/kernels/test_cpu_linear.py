@@ -1,0 +1,39 @@
+"""``kernels.native.linear`` against a float64 product of the same (widened) values, on
+awkward shapes: K not a multiple of the vector width, N not a multiple of the row block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+
+
+def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # 9 and 40: torch's GEMM
+@pytest.mark.parametrize(("n", "k"), [(1, 13), (7, 64), (1001, 576), (66, 1539)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torch.dtype,
+                                          with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    out = native.linear(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    expected = _reference(x, weight, bias)
+    # float32 accumulation over k terms, then the output rounded to its dtype.
+    tol = (1e-5 if dtype == torch.float32 else 8e-3) * float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
+
+
+def test_strided_rows_are_read_as_rows() -> None:
+    # The o_proj input is a reshaped view; a column slice is not contiguous.
+    x = torch.randn(3, 100)[:, 10:74]
+    weight = torch.randn(20, 64)
+    torch.testing.assert_close(native.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
