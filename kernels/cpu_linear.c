@@ -12,7 +12,8 @@
  */
 #include "cpu_common.h"
 
-#define ROWS 4 /* weight rows per pass: ROWS accumulators per x row */
+#define ROWS 4  /* weight rows per tile */
+#define XROWS 2 /* x rows per tile: XROWS * ROWS accumulators, ROWS weight vectors in registers */
 
 INLINE vf load_w(const void *w, int64_t i, const int bf16) {
     return bf16 ? load_bf16((const uint16_t *)w + i) : *(const vf_u *)((const float *)w + i);
@@ -34,27 +35,45 @@ INLINE float hsum(vf v) {
     return s;
 }
 
-/* Rows n0 .. n0 + R of y for every x row; R and bf16 are constants where this is inlined. */
-INLINE void rows_block(const float *x, const void *w, const float *bias, float *y, int64_t M,
-                       int64_t N, int64_t K, int64_t n0, const int R, const int bf16) {
+/* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P: each weight vector is loaded (and widened)
+ * once for the P rows. R, P and bf16 are constants where this is inlined. */
+INLINE void tile(const float *x, const void *w, const float *bias, float *y, int64_t N,
+                 int64_t K, int64_t m0, int64_t n0, const int P, const int R, const int bf16) {
     const int64_t kv = K - K % VL;
-    for (int64_t m = 0; m < M; m++) {
-        const float *xm = x + m * K;
-        vf acc[ROWS];
+    vf acc[XROWS][ROWS];
+    for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            acc[r] = (vf){0};
-        for (int64_t k = 0; k < kv; k += VL) {
-            const vf xv = *(const vf_u *)(xm + k);
+            acc[p][r] = (vf){0};
+    for (int64_t k = 0; k < kv; k += VL) {
+        vf wv[ROWS];
+        for (int r = 0; r < R; r++)
+            wv[r] = load_w(w, (n0 + r) * K + k, bf16);
+        for (int p = 0; p < P; p++) {
+            const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
             for (int r = 0; r < R; r++)
-                acc[r] += xv * load_w(w, (n0 + r) * K + k, bf16);
-        }
-        for (int r = 0; r < R; r++) {
-            float s = hsum(acc[r]);
-            for (int64_t k = kv; k < K; k++)
-                s += xm[k] * w_at(w, (n0 + r) * K + k, bf16);
-            y[m * N + n0 + r] = bias ? s + bias[n0 + r] : s;
+                acc[p][r] += xv * wv[r];
         }
     }
+    for (int p = 0; p < P; p++) {
+        const float *xm = x + (m0 + p) * K;
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[p][r]);
+            for (int64_t k = kv; k < K; k++)
+                s += xm[k] * w_at(w, (n0 + r) * K + k, bf16);
+            y[(m0 + p) * N + n0 + r] = bias ? s + bias[n0 + r] : s;
+        }
+    }
+}
+
+/* Rows n0 .. n0 + R of y for every x row: XROWS x rows at a time while the R weight rows are
+ * in L1 (after the first tile they come from there, not from memory). */
+INLINE void rows_block(const float *x, const void *w, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t n0, const int R, const int bf16) {
+    int64_t m = 0;
+    for (; m + XROWS <= M; m += XROWS)
+        tile(x, w, bias, y, N, K, m, n0, XROWS, R, bf16);
+    for (; m < M; m++)
+        tile(x, w, bias, y, N, K, m, n0, 1, R, bf16);
 }
 
 INLINE void linear_rows(const float *x, const void *w, const float *bias, float *y, int64_t M,
