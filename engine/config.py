@@ -66,8 +66,8 @@ class EngineConfig:
         True, "split prompts longer than the step budget over several steps")
     enforce_eager: bool = _field(
         False, "run every step eagerly; by default a CUDA worker replays decode steps from "
-        "CUDA graphs captured at startup for batch sizes 1, 2, 4, 8, 16, ... up to "
-        "max_num_seqs (outputs are the same either way)")
+        "CUDA graphs, one per batch size 1, 2, 4, 8, 16, ... up to max_num_seqs, each "
+        "captured when first needed (outputs are the same either way)")
     attention_backend: str = _field(
         "auto", "auto (Triton on CUDA, cpu elsewhere), torch, cpu or triton")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")

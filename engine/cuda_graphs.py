@@ -1,11 +1,13 @@
-"""Decode steps replayed from CUDA graphs, one per batch size of a ladder captured at startup.
+"""Decode steps replayed from CUDA graphs, one per batch size of a ladder.
 
 A decode step launches a few kernels per layer from Python (hundreds a step); at small batch
 sizes the GPU waits on those launches. A graph records one step's launches once and replays
 them with a single call. A graph's tensors are fixed, so the step's inputs are copied into
-static buffers, and its batch is padded to the next captured size (vLLM's ladder: 1, 2, 4,
-then multiples of 8): padded rows read and write only the KV pool's padding block, a block the
-block pool never hands out, and their outputs are dropped.
+static buffers, and its batch is padded to the next size of the ladder (vLLM's: 1, 2, 4, then
+multiples of 8): padded rows read and write only the KV pool's padding block, a block the
+block pool never hands out, and their outputs are dropped. A size's graph is captured the
+first time a step needs it (tens of milliseconds, once), all into one memory pool: a worker
+captures only the sizes its traffic reaches, and an engine that never decodes captures none.
 
 Steps with prefill chunks run eagerly (their shapes vary too much to capture), and so do
 decode steps that read a shared prefix in cascade (the prefix is a launch parameter).
@@ -61,10 +63,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.hidden = torch.empty(n, model.config.hidden_size, dtype=kv_caches.dtype,
                                   device=dev)
+        self.capture = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_runs = 0  # padded steps run (replayed or, without graphs, eager)
-        if capture:
-            self._capture()
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The batch size a decode step of ``num_seqs`` rows runs at; None past the largest."""
@@ -88,6 +90,8 @@ class DecodeGraphs:
         self.slot_mapping[n:size].fill_(self.padding_slot)
         self.block_tables[n:size, 0].fill_(self.padding_block)
         self.seq_lens[n:size].fill_(1)
+        if self.capture and size not in self.graphs:
+            self._capture(size)
         graph = self.graphs.get(size)
         if graph is not None:
             graph.replay()
@@ -110,16 +114,13 @@ class DecodeGraphs:
         self.hidden[:size] = self.model(self.input_ids[:size], self.positions[:size],
                                         self.kv_caches, self._meta(size))
 
-    def _capture(self) -> None:
+    def _capture(self, size: int) -> None:
+        # On the step's own inputs: the warm-up writes the K/V the replay writes again.
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
-        # Largest first: the smaller graphs reuse its memory from the shared pool.
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: kernels compiled, the allocator settled
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch sizes %d-%d) in %.1f s",
-                 len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - started)
+        self._forward(size)  # warm-up: kernels compiled, the allocator settled
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(size)
+        self.graphs[size] = graph
+        log.info("captured the decode CUDA graph of batch size %d in %.0f ms", size,
+                 (time.monotonic() - started) * 1000)

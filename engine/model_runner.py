@@ -76,7 +76,7 @@ class ModelRunner:
     @torch.inference_mode()
     def enable_decode_graphs(self, max_num_seqs: int, max_blocks: int, capture: bool) -> None:
         """Run decode steps of up to ``max_num_seqs`` rows padded on static buffers, replayed
-        from CUDA graphs captured now when ``capture`` (``engine.cuda_graphs``)."""
+        from CUDA graphs when ``capture`` (``engine.cuda_graphs``)."""
         padding_block = self.kv_caches.shape[2] - 1
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_blocks,
                                    padding_block, capture)

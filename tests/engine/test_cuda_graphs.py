@@ -76,7 +76,7 @@ def test_cuda_graphs_replay_the_eager_outputs(tiny_model: Path) -> None:
     expected = _generate(eager, PROMPTS)
     engine = LLMEngine(EngineConfig(**config))
     graphs = engine.runner.graphs
-    assert graphs is not None and sorted(graphs.graphs) == graph_batch_sizes(16)
+    assert graphs is not None and not graphs.graphs  # captured when first needed
     outputs = _generate(engine, PROMPTS)
-    assert graphs.num_runs > 0
+    assert graphs.num_runs > 0 and sorted(graphs.graphs) == [1, 2, 4, 8]  # batches 5 .. 1
     _same(outputs, expected)
