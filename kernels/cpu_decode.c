@@ -2,7 +2,8 @@
  *
  * Built and loaded by kernels/native.py (gcc -O3 -march=native, cached per CPU).
  * Same maths as kernels/reference.py's decode, with float32 accumulation whatever the cache
- * dtype. Each sequence is one task: it walks its blocks in order, reads every K and V row
+ * dtype. Each sequence is one task (with fewer sequences than threads, a few tasks over runs of
+ * its blocks, merged after): it walks its blocks in order, reads every K and V row
  * once straight from its block, and keeps its queries and accumulators in L1. The work is
  * written with GCC/Clang vector types of one register's width (16 floats with AVX-512, else
  * 8): a block's K and V rows of one KV head are widened to float32 once
@@ -95,12 +96,13 @@ INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, i
 INLINE vf loadv(const float *p) { return *(const vf_u *)p; }
 INLINE void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* One sequence. `width` is head_dim rounded up to whole vectors; a compile-time constant in
- * the specialised copies below, so that their loops unroll and stay in registers. */
+/* One sequence's blocks [first_block, end_block). `width` is head_dim rounded up to whole
+ * vectors; a compile-time constant in the specialised copies below, so that their loops unroll
+ * and stay in registers. */
 INLINE void decode_seq(const float *query, const char *key_cache, const char *value_cache,
                        int kv_dtype, const int32_t *table, int64_t seq_len, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, const int64_t width,
-                       int64_t block_size, float scale, int64_t first_block,
+                       int64_t block_size, float scale, int64_t first_block, int64_t end_block,
                        const float *seed_out, const float *seed_lse, float *out, float *lse) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t elem = kv_dtype == KV_FLOAT32 ? 4 : 2;
@@ -122,14 +124,13 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
         run_max[h] = seed_out ? seed_lse[h] : -INFINITY;
         run_sum[h] = seed_out ? 1.0f : 0.0f;
     }
-    const int64_t num_blocks = (seq_len + block_size - 1) / block_size;
-    for (int64_t blk = first_block; blk < num_blocks; blk++) {
+    for (int64_t blk = first_block; blk < end_block; blk++) {
         const int64_t left = seq_len - blk * block_size;
         const int64_t n = left < block_size ? left : block_size;
         const int64_t block = (int64_t)table[blk] * block_bytes;
         /* The blocks are scattered over the pool, which defeats the hardware prefetcher:
          * ask for the next block's K and V while this one is computed. */
-        if (blk + 1 < num_blocks) {
+        if (blk + 1 < end_block) {
             const int64_t next = (int64_t)table[blk + 1] * block_bytes;
             for (int64_t off = 0; off < block_bytes; off += 64) {
                 __builtin_prefetch(key_cache + next + off);
@@ -216,13 +217,15 @@ INLINE void decode_seq(const float *query, const char *key_cache, const char *va
     }
 }
 
-#define DECODE_SEQ(WIDTH) \
+/* Part `part` of `parts` of sequence b: its share of the blocks after the prefix it skips;
+ * the first part starts from the prefix's attention when b has one. */
+#define DECODE_PART(WIDTH, OUT, LSE) \
     decode_seq(query + b * num_heads * head_dim, key_cache, value_cache, kv_dtype, \
                tables + b * table_stride, seq_lens[b], num_heads, num_kv_heads, head_dim, \
-               WIDTH, block_size, scale, seeded ? prefix_blocks : 0, \
-               seeded ? prefix_out + seed * num_heads * head_dim : NULL, \
-               seeded ? prefix_lse + seed * num_heads : NULL, \
-               out + b * num_heads * head_dim, lse + b * num_heads)
+               WIDTH, block_size, scale, first + (num_blocks - first) * part / parts, \
+               first + (num_blocks - first) * (part + 1) / parts, \
+               seeded && part == 0 ? prefix_out + seed * num_heads * head_dim : NULL, \
+               seeded && part == 0 ? prefix_lse + seed * num_heads : NULL, OUT, LSE)
 
 void paged_decode(const float *query,      /* [B, H, D] float32 */
                   const char *key_cache,   /* [N, bs, Hkv, D] of kv_dtype */
@@ -241,13 +244,49 @@ void paged_decode(const float *query,      /* [B, H, D] float32 */
                   const float *prefix_lse, /* [R, H] float32 */
                   int num_threads) {
     const int64_t width = (head_dim + VL - 1) / VL * VL;
+    /* Fewer sequences than threads (a lone request): each is cut into `parts` runs of blocks,
+     * one task each, whose partial softmaxes are merged after (split-K). */
+    const int64_t parts = num_seqs < num_threads ? (num_threads + num_seqs - 1) / num_seqs : 1;
+    const int64_t heads_dim = num_heads * head_dim;
+    float part_out[parts > 1 ? num_seqs * parts * heads_dim : 1];
+    float part_lse[parts > 1 ? num_seqs * parts * num_heads : 1];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t b = 0; b < num_seqs; b++) {
+    for (int64_t task = 0; task < num_seqs * parts; task++) {
+        const int64_t b = task / parts, part = task % parts;
         const int64_t seed = prefix_row ? prefix_row[b] : -1;
         const int seeded = seed >= 0;
-        if (width == 64) DECODE_SEQ(64);
-        else if (width == 128) DECODE_SEQ(128);
-        else DECODE_SEQ(width);
+        const int64_t first = seeded ? prefix_blocks : 0;
+        const int64_t num_blocks = (seq_lens[b] + block_size - 1) / block_size;
+        float *o = parts > 1 ? part_out + task * heads_dim : out + b * heads_dim;
+        float *l = parts > 1 ? part_lse + task * num_heads : lse + b * num_heads;
+        if (width == 64) DECODE_PART(64, o, l);
+        else if (width == 128) DECODE_PART(128, o, l);
+        else DECODE_PART(width, o, l);
+    }
+    if (parts == 1)
+        return;
+    for (int64_t b = 0; b < num_seqs; b++) { /* out = sum_k w_k out_k / sum_k w_k */
+        for (int64_t h = 0; h < num_heads; h++) {
+            float top = -INFINITY;
+            for (int64_t k = 0; k < parts; k++) {
+                const float l = part_lse[(b * parts + k) * num_heads + h];
+                top = l > top ? l : top;
+            }
+            float weights[parts], total = 0.0f;
+            for (int64_t k = 0; k < parts; k++) {
+                const float l = part_lse[(b * parts + k) * num_heads + h];
+                weights[k] = l == -INFINITY ? 0.0f : expf(l - top); /* a part with no block */
+                total += weights[k];
+            }
+            float *dst = out + b * heads_dim + h * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) {
+                float sum = 0.0f;
+                for (int64_t k = 0; k < parts; k++)
+                    sum += weights[k] * part_out[(b * parts + k) * heads_dim + h * head_dim + d];
+                dst[d] = total > 0.0f ? sum / total : 0.0f;
+            }
+            lse[b * num_heads + h] = total > 0.0f ? top + logf(total) : -INFINITY;
+        }
     }
 }
 

@@ -88,6 +88,28 @@ def test_decode_of_tiny_batches(paged_batch, assert_matches, seqs) -> None:
     assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
 
+@pytest.mark.parametrize("threads", [3, 4])
+def test_split_decode_of_fewer_sequences_than_threads(paged_batch, assert_matches,
+                                                      threads) -> None:
+    # Each sequence is cut into runs of blocks (2 or 3 parts), merged after; with the cascade,
+    # only the first part starts from the prefix's attention.
+    seqs = [(150, 1), (97, 1)]
+    batch = paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, 16, [0, 1])
+    args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, 0.125)
+    lone_args = (batch.query[:1], batch.key_cache, batch.value_cache, tables[:1],
+                 batch.seq_lens[:1], 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lone = cpu.paged_attention_decode(*lone_args)
+        shared = cpu.paged_attention_decode(*args, prefix=prefix)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches(lone, reference.paged_attention_decode(*lone_args))
+    assert_matches(shared, reference.paged_attention_decode(*args))
+
+
 def test_decode_kernel_is_built_once_per_cpu_and_refuses_other_dtypes() -> None:
     from kernels import native
 
