@@ -145,6 +145,8 @@ class JobSpec(_Strict):
     @field_validator("metadata")
     @classmethod
     def _strict_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value:  # most jobs carry none
+            return value
         try:  # NaN and infinities are not JSON: SQL JSON columns refuse them
             json.dumps(value, allow_nan=False)
         except ValueError as exc:
