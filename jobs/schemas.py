@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -178,12 +178,13 @@ class JobSpec(_Strict):
     @functools.cached_property
     def wire_json(self) -> str:
         """The job's JSON (``model_dump_json()``), made once: the check that it is storable,
-        its stream entry and its SQL row all take it (a third of the cost of submitting a
-        plain row was making it three times). Kept out of comparisons by pydantic."""
+        its stream entry and its SQL row all take it (made three times a row, once as a dict
+        then ``json.dumps``, it was a third of the cost of submitting a plain row). Pydantic
+        leaves it out of comparisons and dumps."""
         return self.model_dump_json()
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None,
-                   deep: bool = False) -> JobSpec:
+                   deep: bool = False) -> Self:
         copy = super().model_copy(update=update, deep=deep)
         if update:  # the JSON of the fields before the update
             copy.__dict__.pop("wire_json", None)
