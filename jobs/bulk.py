@@ -252,30 +252,34 @@ def run_bulk(client: Client, rows: Callable[[], Iterable[Row]], opts: BulkOption
         kinds: dict[str, RowKind] = {}  # by custom_id, for rows of another kind than the first
         first_kind: RowKind | None = None
         with _progress(total, opts.progress) as bar:
-            for chunk in _batched(rows(), SUBMIT_CHUNK):
-                todo = [row for row in chunk if row.custom_id not in files.done]
-                tally.skipped += len(chunk) - len(todo)
-                rejected: dict[str, Row] = {}
-                submitted: Mapping[str, str] = {}
-                if todo:
-                    submitted = client.submit_batch(
-                        todo, batch_id=opts.batch_id, model=opts.model,
-                        system_prompt=opts.system_prompt, priority=opts.priority,
-                        webhook_url=opts.webhook_url, new_rows=new_batch,
-                        rejected=None if opts.strict else rejected, **opts.defaults).submitted
-                    stored = True
-                for row in todo if opts.wait else ():  # what to follow, if waiting
-                    if row.custom_id in submitted:
-                        follow.add(submitted[row.custom_id])
-                        first_kind = first_kind or row.kind
-                        if row.kind is not first_kind:
-                            kinds[row.custom_id] = row.kind
-                for row in rejected.values():  # refused before it became a job
-                    files.write_rejected(row)
-                    tally.written += 1
-                    tally.failed += 1
-                tally.submitted += len(submitted)
-                bar.update(len(chunk))
+            # Each chunk is checked while the one before is stored (a thread: the database's
+            # waits release the GIL).
+            with client.jobs.store_behind():
+                for chunk in _batched(rows(), SUBMIT_CHUNK):
+                    todo = [row for row in chunk if row.custom_id not in files.done]
+                    tally.skipped += len(chunk) - len(todo)
+                    rejected: dict[str, Row] = {}
+                    submitted: Mapping[str, str] = {}
+                    if todo:
+                        submitted = client.submit_batch(
+                            todo, batch_id=opts.batch_id, model=opts.model,
+                            system_prompt=opts.system_prompt, priority=opts.priority,
+                            webhook_url=opts.webhook_url, chunk_size=SUBMIT_CHUNK,
+                            new_rows=new_batch,
+                            rejected=None if opts.strict else rejected, **opts.defaults).submitted
+                        stored = True
+                    for row in todo if opts.wait else ():  # what to follow, if waiting
+                        if row.custom_id in submitted:
+                            follow.add(submitted[row.custom_id])
+                            first_kind = first_kind or row.kind
+                            if row.kind is not first_kind:
+                                kinds[row.custom_id] = row.kind
+                    for row in rejected.values():  # refused before it became a job
+                        files.write_rejected(row)
+                        tally.written += 1
+                        tally.failed += 1
+                    tally.submitted += len(submitted)
+                    bar.update(len(chunk))
             client.jobs.bulk_loaded(tally.submitted)
             if not opts.wait:
                 return tally

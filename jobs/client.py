@@ -13,6 +13,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -64,6 +65,7 @@ class JobClient:
         self.notices = NoticeHub(self.redis, self.keys.done_channel(), self.reader)
         self._feeders: dict[str, Feeder] = {}
         self.limits = JobLimits()
+        self._behind = threading.local()  # store_behind's thread and chunk in flight
 
     def close(self) -> None:
         """Release the Redis and database connections."""
@@ -89,6 +91,37 @@ class JobClient:
         self.store(specs)
         return [s.id for s in specs]
 
+    @contextlib.contextmanager
+    def store_behind(self) -> Iterator[None]:
+        """Within it, :meth:`store` (of this thread) hands its chunk to one storing thread and
+        returns once the chunk before is stored: the caller checks the next chunk while
+        PostgreSQL takes this one (the database's waits release the GIL). At most one chunk
+        is in flight. The jobs of a call are durable only once the next call, or leaving the
+        block, returns: a chunk's failure raises there, and leaving on an error still stores
+        the chunk in flight, so that what the caller counted as stored is."""
+        if getattr(self._behind, "pool", None) is not None:  # nested: the outer one does it
+            yield
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="kvbatch-store")
+        self._behind.pool, self._behind.pending = pool, None
+        try:
+            yield
+            self._settle()
+        finally:
+            pending = self._behind.pending
+            self._behind.pool = self._behind.pending = None
+            if pending is not None:  # leaving on an error, which is the one to raise
+                try:
+                    pending.result()
+                except Exception as exc:  # logged: the error leaving the block is raised
+                    log.warning("the chunk in flight was not stored either: %s", exc)
+            pool.shutdown()
+
+    def _settle(self) -> None:
+        pending, self._behind.pending = self._behind.pending, None
+        if pending is not None:
+            pending.result()
+
     def store(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
               deadline: datetime | None = None) -> None:
         """Insert checked ``specs`` (one transaction) and hand them to the workers; a new
@@ -96,7 +129,17 @@ class JobClient:
 
         Jobs of a model whose stream has room for them, with no backlog in SQL, go to the
         stream at once; otherwise they join the backlog and the feeder (``jobs.feed``) moves
-        them when there is room, in priority and fair-share order."""
+        them when there is room, in priority and fair-share order. Within
+        :meth:`store_behind`, another thread does it."""
+        pool = getattr(self._behind, "pool", None)
+        if pool is None:
+            self._store(specs, webhook_url, deadline)
+        else:
+            self._settle()
+            self._behind.pending = pool.submit(self._store, specs, webhook_url, deadline)
+
+    def _store(self, specs: Sequence[JobSpec], webhook_url: str | None,
+               deadline: datetime | None) -> None:
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)

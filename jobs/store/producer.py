@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Engine, insert, select, text, update
+from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -48,8 +48,9 @@ class ProducerStore:
                     n = sum(1 for s in specs if s.batch_id == batch_id)
                     session.execute(update(Batch).where(Batch.id == batch_id)
                                     .values(num_jobs=Batch.num_jobs + n))
-            rows = [_job_row(s, now, s.model in fed) for s in specs]
-            if session.get_bind().dialect.name == "postgresql":
+            copy = session.get_bind().dialect.name == "postgresql"
+            rows = [_job_row(s, now, s.model in fed, json_text=copy) for s in specs]
+            if copy:
                 _copy_rows(session, rows)
             else:  # a Core insert (executemany): the ORM's bulk path costs a third more a row
                 session.execute(insert(Job.__table__), rows)
@@ -127,17 +128,24 @@ class ProducerStore:
             after = rows[-1].custom_id
 
 
-def _job_row(spec: JobSpec, created_at: datetime, fed: bool) -> dict[str, Any]:
-    """The ``jobs`` row of a new job, by column name."""
+_QUEUED = JobStatus.QUEUED.value
+
+
+def _job_row(spec: JobSpec, created_at: datetime, fed: bool,
+             json_text: bool = False) -> dict[str, Any]:
+    """The ``jobs`` row of a new job, by column name; with ``json_text`` its JSON columns hold
+    their text (for ``COPY``; the spec's is made once, see ``JobSpec.wire_json``)."""
     return {
         "id": spec.id,
         "batch_id": spec.batch_id,
         "custom_id": spec.custom_id,
         "model": spec.model,
-        "status": JobStatus.QUEUED.value,
+        "status": _QUEUED,
         "priority": spec.priority,
-        "spec": spec.model_dump(mode="json"),
-        "metadata": spec.metadata,  # the column (the model's attribute is ``meta``)
+        "spec": spec.wire_json if json_text else spec.model_dump(mode="json"),
+        # the column (the model's attribute is ``meta``)
+        "metadata": (json.dumps(spec.metadata) if spec.metadata else "{}") if json_text
+        else spec.metadata,
         "created_at": created_at,  # the database's clock: the reconciler's grace uses it
         "deadline_at": spec.deadline,
         "fed_at": created_at if fed else None,
@@ -147,19 +155,16 @@ def _job_row(spec: JobSpec, created_at: datetime, fed: bool) -> dict[str, Any]:
 
 
 def _copy_rows(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Write new ``jobs`` rows with PostgreSQL's ``COPY``, in the session's transaction: one
-    stream of rows instead of a statement a row (JSON columns go as their text)."""
-    columns = list(rows[0])
-    as_json = [isinstance(Job.__table__.c[name].type, JSON) for name in columns]
-    statement = f"COPY jobs ({', '.join(columns)}) FROM STDIN"
+    """Write new ``jobs`` rows (``_job_row(..., json_text=True)``) with PostgreSQL's ``COPY``,
+    in the session's transaction: one stream of rows instead of a statement a row."""
+    statement = f"COPY jobs ({', '.join(rows[0])}) FROM STDIN"
     raw = session.connection().connection.driver_connection
     dbapi = session.get_bind().dialect.dbapi
     assert raw is not None and dbapi is not None
     try:
         with raw.cursor() as cursor, cursor.copy(statement) as copy:
             for row in rows:
-                copy.write_row([json.dumps(value) if is_json else value
-                                for value, is_json in zip(row.values(), as_json, strict=True)])
+                copy.write_row(tuple(row.values()))
     except dbapi.Error as exc:  # as SQLAlchemy raises it (IntegrityError for a duplicate...)
         raise DBAPIError.instance(statement, None, exc, dbapi.Error,
                                   hide_parameters=True) from exc

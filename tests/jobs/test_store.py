@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -37,6 +38,42 @@ def test_schema_round_trip_and_validation() -> None:
     with pytest.raises(ValueError):
         decode_job(b"not json")
     assert JobStatus("expired").terminal and not JobStatus.RUNNING.terminal
+
+
+def test_wire_json_is_made_once_and_follows_model_copy() -> None:
+    spec = JobSpec(model="m", prompt="héllo", metadata={"k": [1, 2]})
+    assert encode_job(spec) is spec.wire_json  # the validator made it; nothing makes it again
+    assert json.loads(spec.wire_json) == spec.model_dump(mode="json")
+    assert "wire_json" not in spec.model_dump() and decode_job(spec.wire_json) == spec
+    other = spec.model_copy(update={"prompt": "other"})
+    assert json.loads(encode_job(other))["prompt"] == "other"  # not the copied JSON
+    assert spec.model_copy() == spec and spec.model_copy().wire_json == spec.wire_json
+
+
+def test_store_behind_raises_a_chunk_failure_and_stores_the_chunk_in_flight(
+        redis_client, keys, sql_engine: sa.Engine) -> None:  # type: ignore[no-untyped-def]
+    from jobs.client import JobClient
+
+    client = JobClient(redis_client, sql_engine, key_prefix=keys.prefix)
+    first = [_spec(i, batch_id="b", custom_id=f"r{i}") for i in range(3)]
+    again = [_spec(9, batch_id="b", custom_id="r0")]  # (batch_id, custom_id) is taken
+    with pytest.raises(sa.exc.IntegrityError), client.store_behind():
+        client.store(first)
+        client.store(again)  # stored by the thread, after ``first``; fails there
+    assert client.count_by_status("b") == {JobStatus.QUEUED: 3}
+
+    later = [_spec(i, batch_id="b", custom_id=f"r{i}") for i in range(3, 6)]
+    with pytest.raises(sa.exc.IntegrityError), client.store_behind():
+        client.store(again)
+        client.store(later)  # raises the failure before it: ``later`` is not stored
+    assert client.count_by_status("b") == {JobStatus.QUEUED: 3}
+
+    with pytest.raises(KeyboardInterrupt), client.store_behind():
+        client.store(later)
+        raise KeyboardInterrupt  # leaving on an error: the chunk handed over is stored
+    assert client.count_by_status("b") == {JobStatus.QUEUED: 6}
+    client.store([_spec(7)])  # outside the block: at once, in this thread
+    assert sum(client.count_by_status().values()) == 7
 
 
 def test_deliveries_count_attempts_and_dead_letter_past_limit(sql_engine: sa.Engine) -> None:

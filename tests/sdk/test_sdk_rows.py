@@ -70,6 +70,32 @@ def _info(status: JobStatus, **kw) -> JobInfo:  # type: ignore[no-untyped-def]
                    deadline=None, attempts=1, worker_id="w", **kw)
 
 
+def test_rows_of_the_same_sampling_share_one_validated_sampling_params() -> None:
+    from pydantic import ValidationError
+
+    from jobs.sdk import row_spec
+
+    known: dict = {}
+
+    def spec(row: dict) -> JobSpec:
+        return row_spec(parse_row(row, 0), model="m", batch_id=None, system_prompt=None,
+                        defaults={"max_tokens": 4}, priority=0, deadline=None, sampling=known)
+
+    a, b = spec({"prompt": "a"}), spec({"prompt": "b"})
+    assert a.sampling is b.sampling and a.sampling.max_tokens == 4
+    c, d = spec({"prompt": "c", "top_k": 3}), spec({"prompt": "d", "top_k": 3})
+    assert c.sampling is d.sampling and c.sampling.top_k == 3 and c.sampling.max_tokens == 4
+    assert spec({"prompt": "e", "max_tokens": 9}).sampling.max_tokens == 9
+    for _ in range(2):  # a refused row is not kept: refused each time, with its field named
+        with pytest.raises(ValidationError, match="temperature must be >= 0"):
+            spec({"prompt": "f", "temperature": -1})
+    with pytest.raises(ValidationError, match="top_k"):  # a value of another type: its own
+        spec({"prompt": "g", "top_k": "3 tokens"})
+    stop = spec({"prompt": "h", "stop": ["\n"]})  # a list is not a key: validated each time
+    assert stop.sampling.stop == ("\n",) and spec({"prompt": "i", "stop": ["x"]}).sampling.stop \
+        == ("x",)
+
+
 def test_output_shapes() -> None:
     ok = _info(JobStatus.SUCCEEDED, error=None, stats=JobStats(e2e_s=1.5), result=JobResult(
         text="hello", token_ids=[1, 2], finish_reason="length",
