@@ -4,28 +4,38 @@
  * weights: each thread reads a contiguous run of output rows (one stream for the prefetcher),
  * ROWS at a time, and takes every x row through them while they are in L1, so the weights
  * cross the memory bus once per step. bf16 weights are widened to float32 as they are read
- * (a shift, exact): a bf16 model reads half the bytes on CPUs without bf16 arithmetic, where
- * torch's bf16 matmul is far slower than this.
+ * (a shift or a mask, exact): a bf16 model reads half the bytes on CPUs without bf16
+ * arithmetic, where torch's bf16 matmul is far slower than this.
  *
- * x: [M, K] float32, contiguous; w: [N, K] float32 or bf16, contiguous; bias: [N] float32 or
- * NULL; y: [M, N] float32.
+ * x: [M, K] float32 or bf16, contiguous; w: [N, K] float32 or bf16, contiguous; bias: [N]
+ * float32 or NULL; y: [M, N] float32, or bf16 (rounded to nearest even, as torch rounds).
  */
 #include "cpu_common.h"
+
+#include <stdlib.h>
 
 #define ROWS 4  /* weight rows per tile */
 #define XROWS 2 /* x rows per tile: XROWS * ROWS accumulators, ROWS weight vectors in registers */
 
-INLINE vf load_w(const void *w, int64_t i, const int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)w + i) : *(const vf_u *)((const float *)w + i);
-}
+typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2))); /* unaligned loads */
 
-INLINE float w_at(const void *w, int64_t i, const int bf16) {
-    if (!bf16)
-        return ((const float *)w)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+INLINE float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
+}
+
+INLINE float w_at(const void *w, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 INLINE float hsum(vf v) {
@@ -35,23 +45,42 @@ INLINE float hsum(vf v) {
     return s;
 }
 
-/* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P: each weight vector is loaded (and widened)
- * once for the P rows. R, P and bf16 are constants where this is inlined. */
-INLINE void tile(const float *x, const void *w, const float *bias, float *y, int64_t N,
-                 int64_t K, int64_t m0, int64_t n0, const int P, const int R, const int bf16) {
-    const int64_t kv = K - K % VL;
+/* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P: each weight vector is loaded once for the P
+ * rows. A bf16 step reads 2 * VL weights as VL 32-bit lanes holding an even and an odd one:
+ * the even ones become floats by a shift, the odd ones by masking the low half, and `xa` holds
+ * x with each step's even and odd elements apart to match (a float32 step reads x itself).
+ * R, P and bf16 are constants where this is inlined. */
+INLINE void tile(const float *x, const float *xa, const void *w, const float *bias, void *y,
+                 int y_bf16, int64_t N, int64_t K, int64_t m0, int64_t n0, const int P,
+                 const int R, const int bf16) {
+    const int64_t step = bf16 ? 2 * VL : VL;
+    const int64_t kv = K - K % step;
     vf acc[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
-    for (int64_t k = 0; k < kv; k += VL) {
-        vf wv[ROWS];
-        for (int r = 0; r < R; r++)
-            wv[r] = load_w(w, (n0 + r) * K + k, bf16);
-        for (int p = 0; p < P; p++) {
-            const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
+    for (int64_t k = 0; k < kv; k += step) {
+        if (bf16) {
+            vu pairs[ROWS];
             for (int r = 0; r < R; r++)
-                acc[p][r] += xv * wv[r];
+                pairs[r] = *(const vu_u *)((const uint16_t *)w + (n0 + r) * K + k);
+            for (int p = 0; p < P; p++) {
+                const vf even = *(const vf_u *)(xa + (m0 + p) * K + k);
+                const vf odd = *(const vf_u *)(xa + (m0 + p) * K + k + VL);
+                for (int r = 0; r < R; r++) {
+                    acc[p][r] += even * (vf)(pairs[r] << 16);
+                    acc[p][r] += odd * (vf)(pairs[r] & 0xFFFF0000u);
+                }
+            }
+        } else {
+            vf wv[ROWS];
+            for (int r = 0; r < R; r++)
+                wv[r] = *(const vf_u *)((const float *)w + (n0 + r) * K + k);
+            for (int p = 0; p < P; p++) {
+                const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
+                for (int r = 0; r < R; r++)
+                    acc[p][r] += xv * wv[r];
+            }
         }
     }
     for (int p = 0; p < P; p++) {
@@ -60,36 +89,67 @@ INLINE void tile(const float *x, const void *w, const float *bias, float *y, int
             float s = hsum(acc[p][r]);
             for (int64_t k = kv; k < K; k++)
                 s += xm[k] * w_at(w, (n0 + r) * K + k, bf16);
-            y[(m0 + p) * N + n0 + r] = bias ? s + bias[n0 + r] : s;
+            s = bias ? s + bias[n0 + r] : s;
+            const int64_t i = (m0 + p) * N + n0 + r;
+            if (y_bf16)
+                ((uint16_t *)y)[i] = f32_to_bf16(s);
+            else
+                ((float *)y)[i] = s;
         }
     }
 }
 
 /* Rows n0 .. n0 + R of y for every x row: XROWS x rows at a time while the R weight rows are
  * in L1 (after the first tile they come from there, not from memory). */
-INLINE void rows_block(const float *x, const void *w, const float *bias, float *y, int64_t M,
-                       int64_t N, int64_t K, int64_t n0, const int R, const int bf16) {
+INLINE void rows_block(const float *x, const float *xa, const void *w, const float *bias,
+                       void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t n0,
+                       const int R, const int bf16) {
     int64_t m = 0;
     for (; m + XROWS <= M; m += XROWS)
-        tile(x, w, bias, y, N, K, m, n0, XROWS, R, bf16);
+        tile(x, xa, w, bias, y, y_bf16, N, K, m, n0, XROWS, R, bf16);
     for (; m < M; m++)
-        tile(x, w, bias, y, N, K, m, n0, 1, R, bf16);
+        tile(x, xa, w, bias, y, y_bf16, N, K, m, n0, 1, R, bf16);
 }
 
-INLINE void linear_rows(const float *x, const void *w, const float *bias, float *y, int64_t M,
-                        int64_t N, int64_t K, const int bf16, int num_threads) {
+INLINE void linear_rows(const float *x, const float *xa, const void *w, const float *bias,
+                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K, const int bf16,
+                        int num_threads) {
     const int64_t full = N / ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < full; b++)
-        rows_block(x, w, bias, y, M, N, K, b * ROWS, ROWS, bf16);
+        rows_block(x, xa, w, bias, y, y_bf16, M, N, K, b * ROWS, ROWS, bf16);
     for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
-        rows_block(x, w, bias, y, M, N, K, n, 1, bf16);
+        rows_block(x, xa, w, bias, y, y_bf16, M, N, K, n, 1, bf16);
 }
 
-void linear_small(const float *x, const void *w, int w_bf16, const float *bias, float *y,
-                  int64_t M, int64_t N, int64_t K, int num_threads) {
-    if (w_bf16)
-        linear_rows(x, w, bias, y, M, N, K, 1, num_threads);
-    else
-        linear_rows(x, w, bias, y, M, N, K, 0, num_threads);
+void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
+                  void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into
+     * its even and its odd ones (xa) */
+    float *buffer = NULL;
+    if (x_bf16 || w_bf16)
+        buffer = malloc((size_t)((x_bf16 + w_bf16) * M * K) * sizeof *buffer);
+    const float *xf = x;
+    if (x_bf16) {
+        float *widened = buffer;
+        for (int64_t i = 0; i < M * K; i++)
+            widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = widened;
+    }
+    const float *xa = xf;
+    if (w_bf16) {
+        float *split = buffer + x_bf16 * M * K;
+        const int64_t kv = K - K % (2 * VL);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < kv; k += 2 * VL)
+                for (int i = 0; i < VL; i++) {
+                    split[m * K + k + i] = xf[m * K + k + 2 * i];
+                    split[m * K + k + VL + i] = xf[m * K + k + 2 * i + 1];
+                }
+        xa = split;
+        linear_rows(xf, xa, w, bias, y, y_bf16, M, N, K, 1, num_threads);
+    } else {
+        linear_rows(xf, xa, w, bias, y, y_bf16, M, N, K, 0, num_threads);
+    }
+    free(buffer);
 }

@@ -14,7 +14,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # 9 and 40: torch's GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # past LINEAR_MAX_ROWS: torch's GEMM
 @pytest.mark.parametrize(("n", "k"), [(1, 13), (7, 64), (1001, 576), (66, 1539)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
