@@ -180,11 +180,15 @@ def compare(args: argparse.Namespace) -> list[Run]:
         del engine
         if args.llama_server:
             slots = min(max(n, 32), args.slots)
-            with llama_server(args, slots, Path(args.out) / f"llama-server-{n}.log") as url:
-                for k, cache in enumerate(("cold", "warm", "warm")):
-                    seconds, tokens = llama_run(url, split(w, n, k))
-                    runs.append(Run("llama.cpp", n, cache, seconds, tokens))
-                per_token.setdefault("llama.cpp", llama_per_token(url, w.prompts[0]))
+            log = Path(args.out) / f"llama-server-{n}.log"
+            try:
+                with llama_server(args, slots, log) as url:
+                    for k, cache in enumerate(("cold", "warm", "warm")):
+                        seconds, tokens = llama_run(url, split(w, n, k))
+                        runs.append(Run("llama.cpp", n, cache, seconds, tokens))
+                    per_token.setdefault("llama.cpp", llama_per_token(url, w.prompts[0]))
+            except OSError as exc:  # the table still shows the rest
+                print(f"llama.cpp at {n} requests failed ({exc}); see {log}", flush=True)
     print_table(runs, per_token)
     return runs
 

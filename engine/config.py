@@ -34,8 +34,9 @@ class EngineConfig:
     dtype: str = _field(
         "float32", "float32, bfloat16 or float16 for weights, activations and the KV cache, "
         "or auto: bfloat16 on CUDA (float16 without bf16 support) and on CPUs that multiply "
-        "bf16 natively (AVX512-BF16 or AMX), float32 on other CPUs, where torch's bf16 "
-        "matmul runs about a hundred times slower than float32")
+        "bf16 natively (AVX512-BF16 or AMX), float32 on other CPUs (there bfloat16 halves "
+        "the bytes a decode step reads, since the CPU kernels widen bf16 weights as they "
+        "read them, but larger batches pay to widen them for float32 GEMMs)")
     device: str = _field("auto", "cpu, cuda or auto (CUDA when available)")
     block_size: int | None = _field(
         None, "tokens per KV block; by default 16 on CUDA (the Triton kernels' tile) and 8 on "
