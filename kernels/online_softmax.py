@@ -119,6 +119,11 @@ def block_d(head_dim: int) -> int:
     return max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
 
 
+def cache_strides(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, ...]:
+    """The ``stride_{key,value}_cache_{block,token,head}`` launch arguments, in that order."""
+    return (*key_cache.stride()[:3], *value_cache.stride()[:3])
+
+
 def check_paged_attention_args(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

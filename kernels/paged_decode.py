@@ -29,6 +29,7 @@ from kernels.online_softmax import (
     TILE_N,
     attend_paged_tiles,
     block_d,
+    cache_strides,
     check_paged_attention_args,
     dot_config,
     normalise,
@@ -339,6 +340,11 @@ def _launch_paged_decode(
     else:  # unused by the kernel; any fp32 tensors will do
         partial_acc = partial_m = partial_l = out.new_empty(1, 1, 1, 1, dtype=torch.float32)
     dot_dtype, dot_precision = dot_config(query.dtype)
+    # stride_partial_{acc_seq,acc_head,acc_split,m_seq,m_head}, as every kernel here takes them
+    partial_strides = (*partial_acc.stride()[:3], *partial_m.stride()[:2])
+    # The constexprs the decode and shared-prefix kernels share (their tile loops').
+    tiles = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d(head_dim),
+                 TILE_N=TILE_N, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision)
     context_start = seq_lens  # unused without the cascade
     if cascade:
         assert rows is not None
@@ -359,28 +365,13 @@ def _launch_paged_decode(
             prefix_len,
             num_splits,
             scale * LOG2_E,
-            partial_acc.stride(0),
-            partial_acc.stride(1),
-            partial_acc.stride(2),
-            partial_m.stride(0),
-            partial_m.stride(1),
+            *partial_strides,
             query.stride(0),
             query.stride(1),
-            key_cache.stride(0),
-            key_cache.stride(1),
-            key_cache.stride(2),
-            value_cache.stride(0),
-            value_cache.stride(1),
-            value_cache.stride(2),
+            *cache_strides(key_cache, value_cache),
             block_tables.stride(0),
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size,
             BLOCK_M=block_m,
-            BLOCK_D=block_d(head_dim),
-            TILE_N=TILE_N,
-            DOT_DTYPE=dot_dtype,
-            DOT_PRECISION=dot_precision,
+            **tiles,
         )
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -398,30 +389,15 @@ def _launch_paged_decode(
         partition_size,
         out.stride(0),
         out.stride(1),
-        partial_acc.stride(0),
-        partial_acc.stride(1),
-        partial_acc.stride(2),
-        partial_m.stride(0),
-        partial_m.stride(1),
+        *partial_strides,
         query.stride(0),
         query.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *cache_strides(key_cache, value_cache),
         block_tables.stride(0),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
         SPLIT=split,
         CASCADE=cascade,
         BLOCK_M=max(MIN_DOT_DIM, triton.next_power_of_2(group)),  # rows past GROUP: padding
-        BLOCK_D=block_d(head_dim),
-        TILE_N=TILE_N,
-        DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision,
+        **tiles,
     )
     if split:
         _paged_decode_merge_kernel[(num_seqs, num_heads)](
@@ -435,11 +411,7 @@ def _launch_paged_decode(
             num_splits,
             out.stride(0),
             out.stride(1),
-            partial_acc.stride(0),
-            partial_acc.stride(1),
-            partial_acc.stride(2),
-            partial_m.stride(0),
-            partial_m.stride(1),
+            *partial_strides,
             HEAD_DIM=head_dim,
             CASCADE=cascade,
             BLOCK_SPLITS=triton.next_power_of_2(num_slots),

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax import cache_strides
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -94,12 +96,7 @@ def _launch_reshape_and_cache(
         key.stride(1),
         value.stride(0),
         value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        value_cache.stride(2),
+        *cache_strides(key_cache, value_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

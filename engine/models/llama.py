@@ -51,6 +51,11 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype), x
 
 
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            fused: bool) -> torch.Tensor:
+    return native.linear(x, weight, bias) if fused else F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear``; on a ``fused`` backend (the CPU one) through ``kernels.native.linear``."""
 
@@ -59,9 +64,7 @@ class Linear(nn.Linear):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            return native.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias, self.fused)
 
 
 class Rotary(nn.Module):
@@ -251,9 +254,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         if not self.tie_word_embeddings:
             return self.lm_head(hidden)
-        if self.fused:
-            return native.linear(hidden, self.embed_tokens.weight)
-        return F.linear(hidden, self.embed_tokens.weight)
+        return _linear(hidden, self.embed_tokens.weight, None, self.fused)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...)."""

@@ -144,8 +144,7 @@ def _job_row(spec: JobSpec, created_at: datetime, fed: bool,
         "priority": spec.priority,
         "spec": spec.wire_json if json_text else spec.model_dump(mode="json"),
         # the column (the model's attribute is ``meta``)
-        "metadata": (json.dumps(spec.metadata) if spec.metadata else "{}") if json_text
-        else spec.metadata,
+        "metadata": json.dumps(spec.metadata) if json_text else spec.metadata,
         "created_at": created_at,  # the database's clock: the reconciler's grace uses it
         "deadline_at": spec.deadline,
         "fed_at": created_at if fed else None,

@@ -65,6 +65,16 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
     return out, done
 
 
+def two_filling_the_pool(swap_blocks: int = 0) -> tuple[Scheduler, Sequence, Sequence]:
+    """Two 32-token prompts, prefilled into a pool of 4 blocks: each needs a third block to go
+    on, so the next step preempts b (the latest)."""
+    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=swap_blocks)
+    a = add(sched, list(range(32)), max_tokens=20)
+    b = add(sched, list(range(100, 132)), max_tokens=20)
+    step(sched)
+    return sched, a, b
+
+
 def test_chunked_prefill_splits_at_the_budget() -> None:
     sched = make_scheduler(budget=7)
     seq = add(sched, list(range(20)), max_tokens=2)
@@ -128,10 +138,7 @@ def test_waiting_requests_wait_for_a_prefix_being_chunked() -> None:
 
 
 def test_preemption_takes_the_latest_and_resumes_it_first() -> None:
-    sched = make_scheduler(num_blocks=4, budget=100)
-    a = add(sched, list(range(32)), max_tokens=20)  # 2 full blocks, grows into a third
-    b = add(sched, list(range(100, 132)), max_tokens=20)
-    step(sched)
+    sched, a, b = two_filling_the_pool()
     assert sched.running == [a, b] and sched.kv.pool.num_free_blocks == 0
     out, _ = step(sched)  # a needs a third block: b (latest) is preempted
     assert [s.seq for s in out.seqs] == [a]
@@ -144,10 +151,7 @@ def test_preemption_takes_the_latest_and_resumes_it_first() -> None:
 
 
 def test_swap_out_keeps_the_computed_tokens_and_swap_in_comes_before_admissions() -> None:
-    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
-    a = add(sched, list(range(32)), max_tokens=20)
-    b = add(sched, list(range(100, 132)), max_tokens=20)
-    step(sched)
+    sched, a, b = two_filling_the_pool(8)
     b_blocks = list(b.block_table)
     out, _ = step(sched)  # a needs a third block: b (latest) is swapped out
     assert [s.seq for s in out.seqs] == [a]
@@ -173,10 +177,7 @@ def test_swap_out_keeps_the_computed_tokens_and_swap_in_comes_before_admissions(
 
 
 def test_an_urgent_request_goes_before_a_swapped_one() -> None:
-    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
-    add(sched, list(range(32)), max_tokens=20)
-    b = add(sched, list(range(100, 132)), max_tokens=20)
-    step(sched)
+    sched, _, b = two_filling_the_pool(8)
     step(sched)
     assert sched.swapped == [b]
     urgent = add(sched, list(range(200, 204)), max_tokens=2, priority=-1)
@@ -189,10 +190,7 @@ def test_an_urgent_request_goes_before_a_swapped_one() -> None:
 
 
 def test_full_swap_pool_falls_back_to_recompute() -> None:
-    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=1)
-    a = add(sched, list(range(32)), max_tokens=20)
-    b = add(sched, list(range(100, 132)), max_tokens=20)
-    step(sched)
+    sched, a, b = two_filling_the_pool(1)
     out, _ = step(sched)  # b holds 2 blocks, the host pool 1: b is recomputed
     assert out.swap_out == () and sched.swapped == [] and sched.waiting == [b]
     assert b.num_computed_tokens == 0 and sched.counters.num_swaps == 0
@@ -223,10 +221,7 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache() -> None:
 
 
 def test_finishing_a_swapped_sequence_frees_its_host_blocks() -> None:
-    sched = make_scheduler(num_blocks=4, budget=100, swap_blocks=8)
-    add(sched, list(range(32)), max_tokens=20)
-    b = add(sched, list(range(100, 132)), max_tokens=20)
-    step(sched)
+    sched, _, b = two_filling_the_pool(8)
     step(sched)
     assert sched.swapped == [b] and sched.kv.host_pool.num_free_blocks == 6
     sched.finish([b], "abort")
