@@ -1,5 +1,7 @@
-"""Many concurrent waiters on one client: ``--jobs`` ``AsyncClient.submit()`` calls, then as many
-concurrent ``result()`` awaits, served by one worker on a tiny random Llama.
+"""Many concurrent waiters on one client: ``--jobs`` jobs submitted as one batch
+(``AsyncClient.submit_batch``, so that nearly all are still queued when the waits start), then
+one ``AsyncJobHandle.result()`` await per job, all at once, served by one worker on a tiny
+random Llama.
 
 Prints the errors (goal: none), the Redis connections the client holds (its pool's
 connections, the done-channel subscription included; goal: at most 5), the SQL queries of the
@@ -23,7 +25,7 @@ from jobs.constants import DEFAULT_REDIS_URL
 
 
 async def run(services: Any, n: int) -> None:
-    from jobs.aio import AsyncClient
+    from jobs.aio import AsyncClient, AsyncJobHandle
 
     async with AsyncClient(services.redis_url, services.database_url,
                            key_prefix=services.key_prefix, model=MODEL_NAME) as client:
@@ -37,17 +39,22 @@ async def run(services: Any, n: int) -> None:
 
         reader.terminal_ids = counted  # type: ignore[method-assign]
         started = time.perf_counter()
-        handles = [await client.submit(f"Say hi to customer {i}.", max_tokens=4,
-                                       ignore_eos=True) for i in range(n)]
+        batch = await client.submit_batch(
+            [{"custom_id": f"w{i}", "prompt": f"Say hi to customer {i}."} for i in range(n)],
+            max_tokens=4, ignore_eos=True)
+        handles = [AsyncJobHandle(client, job_id) for job_id in (await batch.job_ids()).values()]
         submitted = time.perf_counter() - started
+        counts = await batch.counts()
+        waiting = counts.queued + counts.running
         results = await asyncio.gather(*(h.result(timeout_s=1800) for h in handles),
                                        return_exceptions=True)
         took = time.perf_counter() - started
         errors = [r for r in results if isinstance(r, BaseException)]
         pool = client.jobs.redis.connection_pool
         held = len(pool._available_connections) + len(pool._in_use_connections)  # type: ignore[attr-defined]
-        print(f"{n:,} submit() calls in {submitted:.1f}s, then {n:,} concurrent result() "
-              f"awaits: all done {took:.1f}s after the first submit; errors: {len(errors)}"
+        print(f"{n:,} jobs submitted in {submitted:.1f}s, then {n:,} concurrent result() "
+              f"awaits ({waiting:,} of the jobs not finished when they started): all done "
+              f"{took:.1f}s after the submit began; errors: {len(errors)}"
               + (f" (first: {errors[0]!r})" if errors else ""))
         print(f"Redis connections held by the client: {held} (done-channel subscription "
               f"included)")
