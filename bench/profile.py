@@ -34,8 +34,10 @@ from kernels import native  # noqa: E402
 # Operator name fragments -> the part of a step they belong to; the first match wins. The C
 # kernels appear as kvbatch::<function> (kernels.native.labelled_for_profiler).
 PARTS = (
+    # a decode step of a few rows: all its layers (matmuls, attention, elementwise) in one call
+    ("decode layers, one C call", ("kvbatch::decode_layers",)),
     ("matmul", ("aten::addmm", "aten::mm", "aten::linear", "aten::bmm", "aten::matmul",
-                "mkldnn")),
+                "mkldnn", "kvbatch::linear_small")),
     ("attention", ("paged_decode", "scaled_dot_product", "_flash_attention",
                    "reshape_and_cache", "index_put")),
     ("sampling", ("sample", "argmax", "topk", "sort", "multinomial", "softmax")),

@@ -17,6 +17,8 @@ C functions in its profiles (``labelled_for_profiler``).
   and the row ``argmax`` of greedy sampling.
 - ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
   weights once, bf16 ones widened as they are read.
+- ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
+  kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
 
 from __future__ import annotations
@@ -64,7 +66,16 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_linear": ((), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
     }),
+    "cpu_step": ((), {
+        "decode_layers": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i64,
+                          _i64, _f32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
+                          _i64, _f32, _i32],
+    }),
 }
+# The kernels cpu_step.c chains, in the order of its ``struct kernels``.
+STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
+                ("cpu_layer", "rotary"), ("cpu_layer", "silu_mul"),
+                ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"))
 # Rows up to which ``linear`` runs the C kernel, by weight dtype; past them torch's GEMM wins
 # (float32 weights as they are, bf16 widened first). Measured on a 2-core AVX2 host: at 8 rows
 # the kernel took 32-38 ms a step of SmolLM2's linears in float32 against torch's 60-72 ms;
@@ -328,6 +339,93 @@ def reshape_and_cache(
         slots.data_ptr(), slots.numel(), row * key.element_size(),
     )
 
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as :class:`DecodeLayers` takes them: the model's own tensors
+    (norm weights ``[hidden]``, linear weights ``[out, in]``, the qkv bias ``[q + 2 kv]``)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class DecodeLayers:
+    """A Llama-family model's decoder layers, run for a decode step in one C call
+    (``cpu_step.c``): the same kernels in the same order as the layer-by-layer path with the
+    fused CPU ops, so the same output bit for bit, without the ~300 Python-level calls.
+
+    It holds the weights' addresses: build it once they are loaded, and keep them in place.
+    Steps of more rows than :attr:`max_rows` (where ``linear`` goes to torch's GEMM) are not
+    for it.
+    """
+
+    def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, scale: float) -> None:
+        dtype = layers[0].qkv.dtype
+        if dtype not in LINEAR_MAX_ROWS:
+            raise TypeError(f"no CPU decode-step kernel for {dtype} weights")
+        self.max_rows = LINEAR_MAX_ROWS[dtype]
+        self.dtype = dtype
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
+        self.eps, self.scale = eps, scale
+        # float32 biases, as ``linear`` makes them for its kernel; kept alive here
+        self._biases = [None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous()
+                        for w in layers]
+        pointers: list[int | None] = []
+        for w, bias in zip(layers, self._biases, strict=True):
+            tensors = (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)
+            if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
+                   for t in tensors):
+                raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype")
+            pointers += [w.input_norm.data_ptr(), w.qkv.data_ptr(),
+                         None if bias is None else bias.data_ptr(), w.o.data_ptr(),
+                         w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr()]
+        self.num_layers = len(layers)
+        self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
+        self._kernels = (ctypes.c_void_p * len(STEP_KERNELS))(
+            *(ctypes.cast(library(lib)[fn], ctypes.c_void_p).value for lib, fn in STEP_KERNELS))
+
+    def __call__(
+        self,
+        residual: torch.Tensor,  # [T, hidden]: the embeddings; becomes the residual stream
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, head_dim] in the dtype
+        kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, H_kv, D]
+        slot_mapping: torch.Tensor,  # [T]
+        block_tables: torch.Tensor,  # [T, max_blocks]
+        seq_lens: torch.Tensor,  # [T]
+    ) -> torch.Tensor:  # [T, hidden]: the last layer's MLP output
+        """Run every layer for ``T`` decode rows (one token of each of ``T`` sequences)."""
+        rows = residual.shape[0]
+        cos, sin = rope
+        if rows > self.max_rows:
+            raise ValueError(f"DecodeLayers runs up to {self.max_rows} rows, got {rows}")
+        if not all(t.dtype == self.dtype and t.is_contiguous()
+                   for t in (residual, kv_caches, cos, sin)):
+            raise ValueError("DecodeLayers needs contiguous tensors of the weights' dtype")
+        if kv_caches.shape[0] != self.num_layers:
+            raise ValueError(f"{kv_caches.shape[0]} KV caches for {self.num_layers} layers")
+        num_heads, num_kv_heads, head_dim = self.shape
+        slots = slot_mapping.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        x = torch.empty_like(residual)
+        size = kv_caches.element_size()
+        library("cpu_step").decode_layers(
+            self._kernels, self._weights, self.num_layers, residual.data_ptr(), x.data_ptr(),
+            DTYPE_CODES[self.dtype], rows, self.hidden, num_heads, num_kv_heads, head_dim,
+            self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
+            kv_caches.stride(0) * size, kv_caches.stride(1) * size, slots.data_ptr(),
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_caches.shape[3],
+            self.scale, torch.get_num_threads(),
+        )
+        return x
 
 @contextmanager
 def labelled_for_profiler() -> Iterator[None]:

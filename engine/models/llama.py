@@ -6,7 +6,9 @@ from transformers' own init functions) so that greedy outputs match it token for
 RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
 transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers then go
 through ``kernels.native.linear``: a C kernel for the few rows of a decode step (the weights
-read once, bf16 ones widened as read), torch's GEMM for more.
+read once, bf16 ones widened as read), torch's GEMM for more; and a decode step of that few
+rows runs all its layers in one C call (``kernels.native.DecodeLayers``), the same kernels in
+the same order.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
 from kernels import Backend, native
+from kernels.cascade import runs_cascade
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -222,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.fused)
+        self._decode_layers: native.DecodeLayers | None = None  # built on first use
 
     @classmethod
     def empty(cls, config: PretrainedConfig, backend: Backend, max_positions: int,
@@ -246,10 +250,38 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        if self._in_one_call(x.shape[0], kv_caches, meta):
+            assert self._decode_layers is not None
+            out = self._decode_layers(x, rope, kv_caches, meta.slot_mapping, meta.block_tables,
+                                      meta.seq_lens)
+            return self.norm(out, x)[0]  # x: the residual stream, in place
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step's layers run as one C call: fused CPU ops, decodes only (without
+        a cascade prefix, which torch's attention computes), few enough rows for the C
+        linear, and no per-head q/k norms (Qwen3's)."""
+        if not (self.fused and meta.num_decode_tokens == rows and meta.decode_prefix is not None
+                and self.layers[0].self_attn.q_norm is None):
+            return False
+        prefix_rows, shared = meta.decode_prefix
+        if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
+            return False
+        if self._decode_layers is None:
+            if self.layers[0].self_attn.qkv_proj.weight.dtype not in native.LINEAR_MAX_ROWS:
+                return False
+            self._decode_layers = native.DecodeLayers(
+                [native.LayerWeights(
+                    layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
+                    layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                    layer.mlp.down_proj.weight) for layer in self.layers],
+                self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps,
+                self.scale)
+        return rows <= self._decode_layers.max_rows
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         if not self.tie_word_embeddings:
@@ -258,6 +290,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...)."""
+        self._decode_layers = None  # holds the weights' addresses
         params = dict(self.named_parameters())
         stacked = {  # HF name part -> (our param part, shard index)
             "q_proj": ("qkv_proj", 0),

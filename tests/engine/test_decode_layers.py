@@ -1,0 +1,107 @@
+"""A decode step's layers in one C call (``kernels.native.DecodeLayers``) against the
+layer-by-layer path: the same logprobs bit for bit, and taken exactly where it applies."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.models.llama import LlamaForCausalLM
+from kernels import native
+
+NUM_NEW = 12
+
+
+def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
+              shared_prefix: int = 0) -> tuple[list, int]:
+    """Greedy outputs with logprobs, and how many steps ran as one C call."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=256))
+    model = engine.runner.model
+    assert isinstance(model, LlamaForCausalLM)
+    calls = 0
+    decide = model._in_one_call
+
+    def counted(*args: object) -> bool:
+        nonlocal calls
+        taken = one_call and decide(*args)  # type: ignore[arg-type]
+        calls += taken
+        return taken
+
+    model._in_one_call = counted  # type: ignore[method-assign]
+    rng = random.Random(3)
+    prefix = [rng.randrange(200) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(200) for _ in range(5 + 9 * i)]
+               for i in range(num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
+    return engine.generate(prompts, params), calls
+
+
+def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
+    return [[(t, lp) for step in o.outputs[0].logprobs for t, lp in step.items()]
+            for o in outputs]
+
+
+@pytest.mark.parametrize(("model_name", "dtype", "num_prompts"), [
+    ("llama-gqa3-hd10", "float32", 8),  # head_dim 10: the kernels' padded width
+    ("qwen2-bias", "float32", 3),  # the qkv bias
+    ("llama-gqa8-tied", "bfloat16", 4),  # bf16: up to 4 rows
+    ("mistral-sharded", "bfloat16", 1),  # a lone request
+])
+def test_one_call_matches_layer_by_layer(tiny_models: dict[str, Path], model_name: str,
+                                         dtype: str, num_prompts: int) -> None:
+    model_dir = tiny_models[model_name]
+    ours, calls = _generate(model_dir, dtype, num_prompts, one_call=True)
+    theirs, none = _generate(model_dir, dtype, num_prompts, one_call=False)
+    assert calls >= NUM_NEW - 1 and none == 0  # every decode step of the batch
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert _logprobs(ours) == _logprobs(theirs)  # exact: the same kernels on the same values
+
+
+@pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
+    ("llama-gqa8-tied", "bfloat16", 6, 0),  # more rows than the C linear takes in bf16
+    ("qwen3-sharded", "float32", 2, 0),  # per-head q/k norms
+    ("llama-gqa3-hd10", "float32", 8, 64),  # a cascade prefix, which torch attends
+])
+def test_layer_by_layer_where_one_call_does_not_apply(
+        tiny_models: dict[str, Path], model_name: str, dtype: str, num_prompts: int,
+        shared_prefix: int) -> None:
+    outputs, calls = _generate(tiny_models[model_name], dtype, num_prompts, one_call=True,
+                               shared_prefix=shared_prefix)
+    assert all(len(o.token_ids) == NUM_NEW for o in outputs)
+    # only the last steps, once enough of the batch has finished, could qualify; here none
+    # does: the batch finishes together
+    assert calls == 0
+
+
+def test_decode_layers_refuses_what_it_cannot_run() -> None:
+    hidden, heads, kv_heads, head_dim, inter = 32, 4, 2, 8, 48
+    qkv = (heads + 2 * kv_heads) * head_dim
+
+    def weights(dtype: torch.dtype) -> native.LayerWeights:
+        def t(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape).to(dtype)
+
+        return native.LayerWeights(t(hidden), t(qkv, hidden), None, t(hidden, heads * head_dim),
+                                   t(hidden), t(2 * inter, hidden), t(hidden, inter))
+
+    with pytest.raises(TypeError, match="float16"):
+        native.DecodeLayers([weights(torch.float16)], heads, kv_heads, head_dim, 1e-5, 0.3)
+    layers = native.DecodeLayers([weights(torch.bfloat16)], heads, kv_heads, head_dim, 1e-5,
+                                 0.3)
+    assert layers.max_rows == native.LINEAR_MAX_ROWS[torch.bfloat16]
+    rows = layers.max_rows + 1
+    kv = torch.zeros(1, 2, 4, 8, kv_heads, head_dim, dtype=torch.bfloat16)
+    rope = (torch.ones(rows, head_dim, dtype=torch.bfloat16),) * 2
+    with pytest.raises(ValueError, match="up to"):
+        layers(torch.zeros(rows, hidden, dtype=torch.bfloat16), rope, kv,
+               torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, 1, dtype=torch.int32),
+               torch.ones(rows, dtype=torch.int32))
+    with pytest.raises(ValueError, match="2 KV caches for 1 layers"):
+        layers(torch.zeros(1, hidden, dtype=torch.bfloat16), (rope[0][:1], rope[1][:1]),
+               kv.expand(2, -1, -1, -1, -1, -1).contiguous(),
+               torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+               torch.ones(1, dtype=torch.int32))
