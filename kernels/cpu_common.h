@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels (cpu_decode.c, cpu_layer.c); part of each build's cache key. */
+/* Shared by the CPU kernels (kernels/cpu_*.c); part of each build's cache key. */
 #ifndef KVBATCH_CPU_COMMON_H
 #define KVBATCH_CPU_COMMON_H
 
@@ -21,6 +21,24 @@ typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4))); /* unaligne
 typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
+
+/* A bf16 value as float32 (exact: a shift). */
+INLINE float bf16_to_f32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch rounds; branch-free
+ * so that the loops calling it vectorise. */
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t nan = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
 
 /* VL bf16 values from p on, as float32 (exact: a shift). */
 INLINE vf load_bf16(const void *p) {

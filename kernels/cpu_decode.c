@@ -83,8 +83,7 @@ INLINE void rows_f32(const char *src, int64_t stride, int kv_dtype, int64_t n, i
             if (kv_dtype == KV_FLOAT32) {
                 dst[d] = ((const float *)row)[d];
             } else if (kv_dtype == KV_BFLOAT16) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-                memcpy(&dst[d], &bits, sizeof(float));
+                dst[d] = bf16_to_f32(((const uint16_t *)row)[d]);
             } else {
                 dst[d] = (float)((const _Float16 *)row)[d];
             }

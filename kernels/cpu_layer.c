@@ -19,40 +19,20 @@ enum { PARTS = 16 }; /* partial sums of RMSNorm's sum of squares */
 
 INLINE float load(const void *p, int64_t i, int dtype) {
     if (dtype == F32) return ((const float *)p)[i];
-    if (dtype == BF16) {
-        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
     return (float)((const _Float16 *)p)[i];
-}
-
-/* float32 -> bf16 bits, round to nearest even (NaN stays NaN), as torch rounds; branch-free
- * so that the loops calling it vectorise. */
-INLINE uint16_t bf16_bits(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const uint32_t nan = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 INLINE void store(void *p, int64_t i, int dtype, float v) {
     if (dtype == F32) ((float *)p)[i] = v;
-    else if (dtype == BF16) ((uint16_t *)p)[i] = bf16_bits(v);
+    else if (dtype == BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
     else ((_Float16 *)p)[i] = (_Float16)v;
 }
 
 /* v rounded to the dtype, as float32: what a torch op in that dtype would have produced. */
 INLINE float round_to(float v, int dtype) {
     if (dtype == F32) return v;
-    if (dtype == BF16) {
-        const uint32_t bits = (uint32_t)bf16_bits(v) << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
+    if (dtype == BF16) return bf16_to_f32(f32_to_bf16(v));
     return (float)(_Float16)v;
 }
 

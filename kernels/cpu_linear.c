@@ -21,23 +21,8 @@
 
 typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2))); /* unaligned loads */
 
-INLINE float bf16_to_f32(uint16_t h) {
-    const uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 INLINE float w_at(const void *w, int64_t i, const int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
-
-INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 INLINE float hsum(vf v) {

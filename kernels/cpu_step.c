@@ -52,23 +52,6 @@ struct kernels {
 
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_COUNT };
 
-INLINE float to_f32(const void *p, int64_t i, int bf16) {
-    if (!bf16)
-        return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-INLINE uint16_t round_bf16(float f) { /* to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
-        return (uint16_t)((bits >> 16) | 0x40);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 void decode_layers(const void *const *kernels, const void *const *weights, int64_t num_layers,
                    void *residual, void *x, int bf16, int64_t rows, int64_t hidden,
                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -105,13 +88,14 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
                  qkv_width * elem, key_cache, value_cache, slots, rows, kv_size * elem);
         for (int64_t t = 0; t < rows; t++)
             for (int64_t i = 0; i < q_size; i++)
-                query[t * q_size + i] = to_f32(qkv, t * qkv_width + i, bf16);
+                query[t * q_size + i] = bf16 ? bf16_to_f32(((const uint16_t *)qkv)[t * qkv_width + i])
+                                              : ((const float *)qkv)[t * qkv_width + i];
         k->decode(query, key_cache, value_cache, bf16, tables, table_stride, seq_lens, rows,
                   num_heads, num_kv_heads, head_dim, block_size, scale, attn32, lse, NULL, 0,
                   NULL, NULL, num_threads);
         if (bf16)
             for (int64_t i = 0; i < rows * q_size; i++)
-                ((uint16_t *)attn)[i] = round_bf16(attn32[i]);
+                ((uint16_t *)attn)[i] = f32_to_bf16(attn32[i]);
         k->linear(attn, bf16, w[W_O], bf16, NULL, o, bf16, rows, hidden, q_size, num_threads);
         k->rms_norm(o, residual, w[W_POST_NORM], h, rows, hidden, eps, bf16, num_threads);
         k->linear(h, bf16, w[W_GATE_UP], bf16, NULL, gate_up, bf16, rows, 2 * intermediate,
