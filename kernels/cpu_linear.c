@@ -15,6 +15,9 @@
 #include "cpu_common.h"
 
 #include <stdlib.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #define ROWS 4  /* weight rows per tile */
 #define XROWS 2 /* x rows per tile: XROWS * ROWS accumulators, ROWS weight vectors in registers */
@@ -32,14 +35,25 @@ INLINE float hsum(vf v) {
     return s;
 }
 
+/* How a tile multiplies: float32 weights; bf16 weights widened (any x); bf16 weights and bf16
+ * x through AVX512-BF16's dot product of pairs, where the CPU has it (one instruction for what
+ * widening takes four: a step of a few rows is then bound by memory again, not by the core). */
+enum { F32_WEIGHTS, BF16_WIDENED, BF16_DOT };
+#ifdef __AVX512BF16__
+#define HAS_BF16_DOT 1
+#else
+#define HAS_BF16_DOT 0
+#endif
+
 /* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P: each weight vector is loaded once for the P
- * rows. A bf16 step reads 2 * VL weights as VL 32-bit lanes holding an even and an odd one:
- * the even ones become floats by a shift, the odd ones by masking the low half, and `xa` holds
- * x with each step's even and odd elements apart to match (a float32 step reads x itself).
- * R, P and bf16 are constants where this is inlined. */
-INLINE void tile(const float *x, const float *xa, const void *w, const float *bias, void *y,
-                 int y_bf16, int64_t N, int64_t K, int64_t m0, int64_t n0, const int P,
-                 const int R, const int bf16) {
+ * rows. A widened bf16 step reads 2 * VL weights as VL 32-bit lanes holding an even and an odd
+ * one: the even ones become floats by a shift, the odd ones by masking the low half, and `xa`
+ * holds x with each step's even and odd elements apart to match (a float32 step reads x
+ * itself, a dot step the bf16 x, `xh`). R, P and kind are constants where this is inlined. */
+INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void *w,
+                 const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t m0,
+                 int64_t n0, const int P, const int R, const int kind) {
+    const int bf16 = kind != F32_WEIGHTS;
     const int64_t step = bf16 ? 2 * VL : VL;
     const int64_t kv = K - K % step;
     const int64_t esize = bf16 ? 2 : 4;
@@ -50,6 +64,21 @@ INLINE void tile(const float *x, const float *xa, const void *w, const float *bi
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
     for (int64_t k = 0; k < kv; k += step) {
+#if HAS_BF16_DOT
+        if (kind == BF16_DOT) {
+            __m512bh pairs[ROWS];
+            for (int r = 0; r < R; r++) {
+                __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
+                pairs[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)w + (n0 + r) * K + k);
+            }
+            for (int p = 0; p < P; p++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + (m0 + p) * K + k);
+                for (int r = 0; r < R; r++)
+                    acc[p][r] = (vf)_mm512_dpbf16_ps((__m512)acc[p][r], xv, pairs[r]);
+            }
+            continue;
+        }
+#endif
         if (bf16) {
             vu pairs[ROWS];
             for (int r = 0; r < R; r++) {
@@ -95,25 +124,25 @@ INLINE void tile(const float *x, const float *xa, const void *w, const float *bi
 
 /* Rows n0 .. n0 + R of y for every x row: XROWS x rows at a time while the R weight rows are
  * in L1 (after the first tile they come from there, not from memory). */
-INLINE void rows_block(const float *x, const float *xa, const void *w, const float *bias,
-                       void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t n0,
-                       const int R, const int bf16) {
+INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, const void *w,
+                       const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                       int64_t n0, const int R, const int kind) {
     int64_t m = 0;
     for (; m + XROWS <= M; m += XROWS)
-        tile(x, xa, w, bias, y, y_bf16, N, K, m, n0, XROWS, R, bf16);
+        tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, XROWS, R, kind);
     for (; m < M; m++)
-        tile(x, xa, w, bias, y, y_bf16, N, K, m, n0, 1, R, bf16);
+        tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, 1, R, kind);
 }
 
-INLINE void linear_rows(const float *x, const float *xa, const void *w, const float *bias,
-                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K, const int bf16,
-                        int num_threads) {
+INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, const void *w,
+                        const float *bias, void *y, int y_bf16, int64_t M, int64_t N,
+                        int64_t K, const int kind, int num_threads) {
     const int64_t full = N / ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < full; b++)
-        rows_block(x, xa, w, bias, y, y_bf16, M, N, K, b * ROWS, ROWS, bf16);
+        rows_block(x, xa, xh, w, bias, y, y_bf16, M, N, K, b * ROWS, ROWS, kind);
     for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
-        rows_block(x, xa, w, bias, y, y_bf16, M, N, K, n, 1, bf16);
+        rows_block(x, xa, xh, w, bias, y, y_bf16, M, N, K, n, 1, kind);
 }
 
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
@@ -131,7 +160,9 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
         xf = widened;
     }
     const float *xa = xf;
-    if (w_bf16) {
+    if (w_bf16 && x_bf16 && HAS_BF16_DOT) {
+        linear_rows(xf, xa, x, w, bias, y, y_bf16, M, N, K, BF16_DOT, num_threads);
+    } else if (w_bf16) {
         float *split = buffer + x_bf16 * M * K;
         const int64_t kv = K - K % (2 * VL);
         for (int64_t m = 0; m < M; m++)
@@ -141,9 +172,9 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
                     split[m * K + k + VL + i] = xf[m * K + k + 2 * i + 1];
                 }
         xa = split;
-        linear_rows(xf, xa, w, bias, y, y_bf16, M, N, K, 1, num_threads);
+        linear_rows(xf, xa, NULL, w, bias, y, y_bf16, M, N, K, BF16_WIDENED, num_threads);
     } else {
-        linear_rows(xf, xa, w, bias, y, y_bf16, M, N, K, 0, num_threads);
+        linear_rows(xf, xa, NULL, w, bias, y, y_bf16, M, N, K, F32_WEIGHTS, num_threads);
     }
     free(buffer);
 }

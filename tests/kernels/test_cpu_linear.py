@@ -37,3 +37,16 @@ def test_strided_rows_are_read_as_rows() -> None:
     x = torch.randn(3, 100)[:, 10:74]
     weight = torch.randn(20, 64)
     torch.testing.assert_close(native.linear(x, weight), x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_float32_rows_by_bf16_weights(rows: int) -> None:
+    # Widened as read even where the CPU has AVX512-BF16 (its dot product would round x).
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen)
+    weight = torch.randn(37, 200, generator=gen).to(torch.bfloat16)
+    out = native.linear(x, weight)
+    assert out.dtype == torch.float32
+    expected = _reference(x, weight, None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * float(expected.abs().max()),
+                               rtol=0)
