@@ -172,6 +172,7 @@ def compare(args: argparse.Namespace) -> list[Run]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
     runs: list[Run] = []
     per_token: dict[str, float] = {}
+    single: list[int] = []  # the lone request, for both
     for n in args.concurrency:
         w = shared_system_workload("peer", tokenizer, 3 * n, SYSTEM_TOKENS, USER_TOKENS,
                                    OUTPUT_TOKENS, args.seed)
@@ -194,7 +195,7 @@ def compare(args: argparse.Namespace) -> list[Run]:
                         runs.append(Run("llama.cpp", n, cache, seconds, tokens))
             except OSError as exc:  # the table still shows the rest
                 print(f"llama.cpp at {n} requests failed ({exc}); see {log}", flush=True)
-    if args.llama_server:  # one request alone: its best case is a server of one slot
+    if args.llama_server and single:  # one request alone: best on a server of one slot
         log = Path(args.out) / "llama-server-1.log"
         try:
             with llama_server(args, 1, log) as url:

@@ -56,10 +56,12 @@ class ModelRunner:
         """Build (or load) the kernels now rather than in the first step.
 
         Runs the decode op once over two sequences of the (empty) cache; it only reads. With
-        the fused CPU layer ops, their C library is built too.
+        the fused CPU layer ops, their C libraries (layer ops, linears, the decode step) are
+        built too.
         """
         if self.backend.fused:
-            native.library("cpu_layer")
+            for name in ("cpu_layer", "cpu_linear", "cpu_step"):
+                native.library(name)
         num_seqs, num_blocks = 2, 2
         query = torch.zeros(
             num_seqs, self.model.num_heads, self.model.head_dim, dtype=self.kv_caches.dtype,

@@ -5,7 +5,7 @@
  * x row through them while they are in L1, so the weights cross the memory bus once per step.
  * Each tile asks for the next tile's weights as it reads its own (software prefetch: the
  * hardware prefetcher alone left a 2-core Xeon at 17.7 GB/s over SmolLM2's linears, against
- * 22.4 GB/s with it). bf16 weights are widened to float32 as they are read
+ * 22.2 GB/s with it). bf16 weights are widened to float32 as they are read
  * (a shift or a mask, exact): a bf16 model reads half the bytes on CPUs without bf16
  * arithmetic, where torch's bf16 matmul is far slower than this.
  *
@@ -37,7 +37,10 @@ INLINE float hsum(vf v) {
 
 /* How a tile multiplies: float32 weights; bf16 weights widened (any x); bf16 weights and bf16
  * x through AVX512-BF16's dot product of pairs, where the CPU has it (one instruction for what
- * widening takes four: a step of a few rows is then bound by memory again, not by the core). */
+ * widening takes four: a step of a few rows is then bound by memory again, not by the core).
+ * The products are exact either way, but vdpbf16ps adds each pair's two products before the
+ * accumulator and flushes subnormal inputs and results to zero, so bf16 outputs differ in
+ * their last bits between hosts with and without it (float32 weights never take it). */
 enum { F32_WEIGHTS, BF16_WIDENED, BF16_DOT };
 #ifdef __AVX512BF16__
 #define HAS_BF16_DOT 1
@@ -178,3 +181,7 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
     }
     free(buffer);
 }
+
+/* Whether bf16 rows by bf16 weights take AVX512-BF16's dot product in this build
+ * (kernels.native.linear_max_rows sizes the kernel's row limit by it). */
+int linear_has_bf16_dot(void) { return HAS_BF16_DOT; }

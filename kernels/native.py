@@ -16,7 +16,8 @@ C functions in its profiles (``labelled_for_profiler``).
   ``silu_mul``), rounding where transformers' eager ops round, built without FMA contraction;
   and the row ``argmax`` of greedy sampling.
 - ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
-  weights once, bf16 ones widened as they are read.
+  weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
+  AVX512-BF16, when x is bf16 too).
 - ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
   kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
@@ -76,15 +77,16 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
 STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
                 ("cpu_layer", "rotary"), ("cpu_layer", "silu_mul"),
                 ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"))
-# Rows up to which ``linear`` runs the C kernel, by weight dtype; past them torch's GEMM wins
-# (float32 weights as they are, bf16 widened first where the CPU has no bf16 arithmetic).
-# Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a step of SmolLM2's
-# linears in float32 against torch's 60-72 ms; with bf16 weights it ties widen-then-GEMM at 4
-# rows and loses at 8. On a 2-core Xeon with AVX512-BF16, whose dot product of bf16 pairs the
-# kernel then uses: 22.9 ms at 8 rows against torch's bf16 GEMM's 23.6 (and 38.2 against 23.7
-# at 16), and a decode step of 8 rows in one C call 31 ms against 39 layer by layer.
-LINEAR_MAX_ROWS = {torch.float32: 8,
-                   torch.bfloat16: 8 if torch.cpu._is_avx512_bf16_supported() else 4}
+# Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``);
+# past them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU
+# has no bf16 arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a
+# step of SmolLM2's linears in float32 against torch's 60-72 ms; with bf16 weights it ties
+# widen-then-GEMM at 4 rows and loses at 8. On a 2-core Xeon with AVX512-BF16, whose dot
+# product of bf16 pairs the kernel then uses: 22.9 ms at 8 rows against torch's bf16 GEMM's
+# 23.6 (and 38.2 against 23.7 at 16), and a decode step of 8 rows in one C call 31 ms against
+# 39 layer by layer.
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+LINEAR_MAX_ROWS_BF16_DOT = 8
 
 
 def cache_dir() -> Path:
@@ -145,18 +147,28 @@ def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+@cache
+def linear_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of a ``dtype`` weight ``linear`` runs in the C kernel (0: none):
+    ``LINEAR_MAX_ROWS``, or for bf16 ``LINEAR_MAX_ROWS_BF16_DOT`` where the kernel was built
+    with AVX512-BF16's dot product (asked of the built library, not of the CPU, so the two
+    cannot disagree)."""
+    if dtype == torch.bfloat16 and library("cpu_linear").linear_has_bf16_dot():
+        return LINEAR_MAX_ROWS_BF16_DOT
+    return LINEAR_MAX_ROWS.get(dtype, 0)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` on the CPU, in ``x``'s dtype, accumulated in float32.
 
-    Up to ``LINEAR_MAX_ROWS[weight.dtype]`` rows of ``x`` ([M, K], float32 or bf16) go through
+    Up to ``linear_max_rows(weight.dtype)`` rows of ``x`` ([M, K], float32 or bf16) go through
     the C kernel, which reads a float32 or bf16 ``weight`` ([N, K]) once. More rows go to
     torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic
     (widened first: exact, and still far faster than torch's bf16 GEMM there).
     """
     rows = x.shape[0]
-    if (x.dim() == 2 and rows <= LINEAR_MAX_ROWS.get(weight.dtype, 0)
-            and x.dtype in LINEAR_MAX_ROWS):
+    if x.dim() == 2 and rows <= linear_max_rows(weight.dtype) and x.dtype in LINEAR_MAX_ROWS:
         weight, x = weight.contiguous(), x.contiguous()
         bf = None if bias is None else bias.to(torch.float32).contiguous()
         out = x.new_empty(rows, weight.shape[0])
@@ -374,7 +386,7 @@ class DecodeLayers:
         dtype = layers[0].qkv.dtype
         if dtype not in LINEAR_MAX_ROWS:
             raise TypeError(f"no CPU decode-step kernel for {dtype} weights")
-        self.max_rows = LINEAR_MAX_ROWS[dtype]
+        self.max_rows = linear_max_rows(dtype)
         self.dtype = dtype
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
@@ -383,8 +395,16 @@ class DecodeLayers:
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous()
                         for w in layers]
         pointers: list[int | None] = []
+        hidden, inter = self.hidden, self.intermediate
+        q_size, qkv_size = num_heads * head_dim, (num_heads + 2 * num_kv_heads) * head_dim
+        shapes = ((hidden,), (qkv_size, hidden), (hidden, q_size), (hidden,),
+                  (2 * inter, hidden), (hidden, inter))
         for w, bias in zip(layers, self._biases, strict=True):
             tensors = (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)
+            if (tuple(tuple(t.shape) for t in tensors) != shapes
+                    or (bias is not None and tuple(bias.shape) != (qkv_size,))):
+                raise ValueError("DecodeLayers: the layers' weights do not have the shapes of "
+                                 f"{num_heads} heads, {num_kv_heads} KV heads of {head_dim}")
             if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
                    for t in tensors):
                 raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype")
@@ -392,6 +412,7 @@ class DecodeLayers:
                          None if bias is None else bias.data_ptr(), w.o.data_ptr(),
                          w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr()]
         self.num_layers = len(layers)
+        self._layers = layers  # what the addresses point into stays alive with them
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
         self._kernels = (ctypes.c_void_p * len(STEP_KERNELS))(
             *(ctypes.cast(library(lib)[fn], ctypes.c_void_p).value for lib, fn in STEP_KERNELS))
@@ -413,6 +434,8 @@ class DecodeLayers:
         if not all(t.dtype == self.dtype and t.is_contiguous()
                    for t in (residual, kv_caches, cos, sin)):
             raise ValueError("DecodeLayers needs contiguous tensors of the weights' dtype")
+        if any(t.shape[0] != rows for t in (cos, sin, slot_mapping, block_tables, seq_lens)):
+            raise ValueError(f"DecodeLayers: the step's metadata is not of {rows} rows")
         if kv_caches.shape[0] != self.num_layers:
             raise ValueError(f"{kv_caches.shape[0]} KV caches for {self.num_layers} layers")
         num_heads, num_kv_heads, head_dim = self.shape

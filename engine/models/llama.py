@@ -6,9 +6,9 @@ from transformers' own init functions) so that greedy outputs match it token for
 RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
 transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers then go
 through ``kernels.native.linear``: a C kernel for the few rows of a decode step (the weights
-read once, bf16 ones widened as read), torch's GEMM for more; and a decode step of that few
-rows runs all its layers in one C call (``kernels.native.DecodeLayers``), the same kernels in
-the same order.
+read once, bf16 ones widened as read or multiplied as pairs), torch's GEMM for more; and a
+decode step of that few rows runs all its layers in one C call
+(``kernels.native.DecodeLayers``), the same kernels in the same order.
 """
 
 from __future__ import annotations
@@ -227,6 +227,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.fused)
         self._decode_layers: native.DecodeLayers | None = None  # built on first use
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._decode_layers = None  # .to(), .float(), ...: its weights' addresses may change
+        return super()._apply(fn, recurse)
+
     @classmethod
     def empty(cls, config: PretrainedConfig, backend: Backend, max_positions: int,
               device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
@@ -270,9 +274,11 @@ class LlamaForCausalLM(nn.Module):
         prefix_rows, shared = meta.decode_prefix
         if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
             return False
+        weight = self.layers[0].self_attn.qkv_proj.weight
+        if not (kv_caches.device.type == "cpu" and kv_caches.dtype == weight.dtype
+                and kv_caches.is_contiguous() and native.linear_max_rows(weight.dtype) > 0):
+            return False
         if self._decode_layers is None:
-            if self.layers[0].self_attn.qkv_proj.weight.dtype not in native.LINEAR_MAX_ROWS:
-                return False
             self._decode_layers = native.DecodeLayers(
                 [native.LayerWeights(
                     layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,

@@ -17,8 +17,8 @@ NUM_NEW = 12
 
 
 def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
-              shared_prefix: int = 0) -> tuple[list, int]:
-    """Greedy outputs with logprobs, and how many steps ran as one C call."""
+              shared_prefix: int = 0) -> tuple[list, int, LlamaForCausalLM]:
+    """Greedy outputs with logprobs, how many steps ran as one C call, and the model."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=256))
     model = engine.runner.model
     assert isinstance(model, LlamaForCausalLM)
@@ -37,7 +37,7 @@ def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
     prompts = [prefix + [rng.randrange(200) for _ in range(5 + 9 * i)]
                for i in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
-    return engine.generate(prompts, params), calls
+    return engine.generate(prompts, params), calls, model
 
 
 def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
@@ -45,33 +45,44 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
             for o in outputs]
 
 
+BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 4, or 8 with AVX512-BF16
+
+
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts"), [
     ("llama-gqa3-hd10", "float32", 8),  # head_dim 10: the kernels' padded width
     ("qwen2-bias", "float32", 3),  # the qkv bias
-    ("llama-gqa8-tied", "bfloat16", 4),  # bf16: up to 4 rows (8 with AVX512-BF16)
+    ("qwen2-bias", "bfloat16", 2),  # its float32 copy
+    ("llama-gqa8-tied", "bfloat16", BF16_ROWS),  # as many rows as bf16 takes
     ("mistral-sharded", "bfloat16", 1),  # a lone request
 ])
 def test_one_call_matches_layer_by_layer(tiny_models: dict[str, Path], model_name: str,
                                          dtype: str, num_prompts: int) -> None:
     model_dir = tiny_models[model_name]
-    ours, calls = _generate(model_dir, dtype, num_prompts, one_call=True)
-    theirs, none = _generate(model_dir, dtype, num_prompts, one_call=False)
-    assert calls >= NUM_NEW - 1 and none == 0  # every decode step of the batch
+    ours, calls, _ = _generate(model_dir, dtype, num_prompts, one_call=True)
+    theirs, _, reference = _generate(model_dir, dtype, num_prompts, one_call=False)
+    assert calls >= NUM_NEW - 1  # every decode step of the batch
+    assert reference._decode_layers is None  # the reference never ran it
     assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
     assert _logprobs(ours) == _logprobs(theirs)  # exact: the same kernels on the same values
 
 
+def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Path]) -> None:
+    _, calls, model = _generate(tiny_models["llama-mha"], "float32", 2, one_call=True)
+    assert calls > 0 and model._decode_layers is not None
+    model.to("cpu")  # any .to() / .float() may give the weights new storage
+    assert model._decode_layers is None
+
+
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
-    # more rows than the C linear takes in bf16 (4, or 8 with AVX512-BF16)
-    ("llama-gqa8-tied", "bfloat16", native.LINEAR_MAX_ROWS[torch.bfloat16] + 2, 0),
+    ("llama-gqa8-tied", "bfloat16", BF16_ROWS + 2, 0),  # more rows than bf16 takes
     ("qwen3-sharded", "float32", 2, 0),  # per-head q/k norms
     ("llama-gqa3-hd10", "float32", 8, 64),  # a cascade prefix, which torch attends
 ])
 def test_layer_by_layer_where_one_call_does_not_apply(
         tiny_models: dict[str, Path], model_name: str, dtype: str, num_prompts: int,
         shared_prefix: int) -> None:
-    outputs, calls = _generate(tiny_models[model_name], dtype, num_prompts, one_call=True,
-                               shared_prefix=shared_prefix)
+    outputs, calls, _ = _generate(tiny_models[model_name], dtype, num_prompts, one_call=True,
+                                  shared_prefix=shared_prefix)
     assert all(len(o.token_ids) == NUM_NEW for o in outputs)
     # only the last steps, once enough of the batch has finished, could qualify; here none
     # does: the batch finishes together
@@ -93,7 +104,7 @@ def test_decode_layers_refuses_what_it_cannot_run() -> None:
         native.DecodeLayers([weights(torch.float16)], heads, kv_heads, head_dim, 1e-5, 0.3)
     layers = native.DecodeLayers([weights(torch.bfloat16)], heads, kv_heads, head_dim, 1e-5,
                                  0.3)
-    assert layers.max_rows == native.LINEAR_MAX_ROWS[torch.bfloat16]
+    assert layers.max_rows == BF16_ROWS
     rows = layers.max_rows + 1
     kv = torch.zeros(1, 2, 4, 8, kv_heads, head_dim, dtype=torch.bfloat16)
     rope = (torch.ones(rows, head_dim, dtype=torch.bfloat16),) * 2
