@@ -50,6 +50,9 @@ class ModelRunner:
         # With the fused CPU layer ops, greedy batches take the C argmax too.
         argmax = native.argmax if backend.fused else torch_argmax
         self.sampler = Sampler(seed, argmax, structured)
+        # what a decode step reads: the weights, and each row's KV (every layer's K and V)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.kv_bytes_per_token = kv_caches[:, :, 0, 0].numel() * kv_caches.element_size()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -135,6 +138,19 @@ class ModelRunner:
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
 
+    def _rereads_prefix(self, num_decodes: int, num_tokens: int, sharing: int,
+                        prefix_tokens: int) -> bool:
+        """Whether a decode step of few enough rows for the model's one C call runs without
+        cascade, each row reading the shared prefix itself: when those extra reads are at most
+        a quarter of the weights' bytes. Cascade needs the layer-by-layer path (torch's
+        attention for the prefix), whose per-op costs are a third of such a step or more
+        (SmolLM2 in bf16: up to 8 rows reading a 170-token prompt each, 7 x 170 x 23 KB =
+        27 MB against 67 MB)."""
+        if num_decodes != num_tokens or num_decodes > self.model.one_call_rows():
+            return False
+        extra = (sharing - 1) * prefix_tokens * self.kv_bytes_per_token
+        return extra <= self.weight_bytes // 4
+
     def _rows(self, seq: Sequence) -> list[SampleRow]:
         p = seq.params
         blocked = (() if p.ignore_eos else self.eos_token_ids) + tuple(p.stop_token_ids or ())
@@ -173,7 +189,8 @@ class ModelRunner:
         decode_prefix = None
         if self.backend.cascade:  # cascade backends get the step's shared prefix, found once
             rows, shared = shared_prefix(tables[:nd], starts[:nd] + 1, bs)
-            if not runs_cascade(len(rows), shared, bs):
+            if not runs_cascade(len(rows), shared, bs) or self._rereads_prefix(
+                    nd, num_tokens, len(rows), shared * bs):
                 rows, shared = rows[:0], 0  # said once here, not found again in every layer
             decode_prefix = torch.from_numpy(rows).to(dev), shared
         meta = AttentionMetadata(

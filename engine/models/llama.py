@@ -264,19 +264,27 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(rope, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
+    def one_call_rows(self) -> int:
+        """The most rows a decode step may have to run its layers as one C call (0: never):
+        with the fused CPU ops, no per-head q/k norms (Qwen3's), and weights of a dtype the C
+        linear takes, as many rows as it takes."""
+        if not self.fused or self.layers[0].self_attn.q_norm is not None:
+            return 0
+        return native.linear_max_rows(self.layers[0].self_attn.qkv_proj.weight.dtype)
+
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step's layers run as one C call: fused CPU ops, decodes only (without
-        a cascade prefix, which torch's attention computes), few enough rows for the C
-        linear, and no per-head q/k norms (Qwen3's)."""
-        if not (self.fused and meta.num_decode_tokens == rows and meta.decode_prefix is not None
-                and self.layers[0].self_attn.q_norm is None):
+        """Whether this step's layers run as one C call: decodes only, without a cascade
+        prefix (torch's attention computes it), at most ``one_call_rows()`` of them, over a
+        contiguous CPU KV cache of the weights' dtype."""
+        if not (meta.num_decode_tokens == rows and meta.decode_prefix is not None
+                and 0 < rows <= self.one_call_rows()):
             return False
         prefix_rows, shared = meta.decode_prefix
         if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
             return False
         weight = self.layers[0].self_attn.qkv_proj.weight
         if not (kv_caches.device.type == "cpu" and kv_caches.dtype == weight.dtype
-                and kv_caches.is_contiguous() and native.linear_max_rows(weight.dtype) > 0):
+                and kv_caches.is_contiguous()):
             return False
         if self._decode_layers is None:
             self._decode_layers = native.DecodeLayers(
@@ -287,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.down_proj.weight) for layer in self.layers],
                 self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps,
                 self.scale)
-        return rows <= self._decode_layers.max_rows
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         if not self.tie_word_embeddings:
