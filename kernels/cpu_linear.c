@@ -67,13 +67,13 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
     for (int64_t k = 0; k < kv; k += step) {
+        for (int r = 0; r < R; r++)
+            __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
 #if HAS_BF16_DOT
         if (kind == BF16_DOT) {
             __m512bh pairs[ROWS];
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
+            for (int r = 0; r < R; r++)
                 pairs[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)w + (n0 + r) * K + k);
-            }
             for (int p = 0; p < P; p++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + (m0 + p) * K + k);
                 for (int r = 0; r < R; r++)
@@ -84,10 +84,8 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
 #endif
         if (bf16) {
             vu pairs[ROWS];
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
+            for (int r = 0; r < R; r++)
                 pairs[r] = *(const vu_u *)((const uint16_t *)w + (n0 + r) * K + k);
-            }
             for (int p = 0; p < P; p++) {
                 const vf even = *(const vf_u *)(xa + (m0 + p) * K + k);
                 const vf odd = *(const vf_u *)(xa + (m0 + p) * K + k + VL);
@@ -98,10 +96,8 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
             }
         } else {
             vf wv[ROWS];
-            for (int r = 0; r < R; r++) {
-                __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
+            for (int r = 0; r < R; r++)
                 wv[r] = *(const vf_u *)((const float *)w + (n0 + r) * K + k);
-            }
             for (int p = 0; p < P; p++) {
                 const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
                 for (int r = 0; r < R; r++)
@@ -152,9 +148,11 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into
      * its even and its odd ones (xa) */
+    const int dot = w_bf16 && x_bf16 && HAS_BF16_DOT; /* no split x: it reads the bf16 x */
+    const int split_x = w_bf16 && !dot;
     float *buffer = NULL;
-    if (x_bf16 || w_bf16)
-        buffer = malloc((size_t)((x_bf16 + w_bf16) * M * K) * sizeof *buffer);
+    if (x_bf16 || split_x)
+        buffer = malloc((size_t)((x_bf16 + split_x) * M * K) * sizeof *buffer);
     const float *xf = x;
     if (x_bf16) {
         float *widened = buffer;
@@ -163,9 +161,9 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
         xf = widened;
     }
     const float *xa = xf;
-    if (w_bf16 && x_bf16 && HAS_BF16_DOT) {
+    if (dot) {
         linear_rows(xf, xa, x, w, bias, y, y_bf16, M, N, K, BF16_DOT, num_threads);
-    } else if (w_bf16) {
+    } else if (split_x) {
         float *split = buffer + x_bf16 * M * K;
         const int64_t kv = K - K % (2 * VL);
         for (int64_t m = 0; m < M; m++)

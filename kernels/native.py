@@ -356,7 +356,6 @@ def reshape_and_cache(
     )
 
 
-
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights as :class:`DecodeLayers` takes them: the model's own tensors
@@ -453,6 +452,7 @@ class DecodeLayers:
             self.scale, torch.get_num_threads(),
         )
         return x
+
 
 @contextmanager
 def labelled_for_profiler() -> Iterator[None]:
