@@ -28,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -86,8 +86,10 @@ class Target:
             scheme, host, port, path, address)
 
 
-def resolve(url: str, allow: Sequence[IPNetwork] = ()) -> Target:
-    """Check ``url`` and resolve its host; every address must be reachable by webhooks."""
+def resolve(url: str, allow: Sequence[IPNetwork] = (),
+            lookup: Callable[..., list[Any]] | None = None) -> Target:
+    """Check ``url`` and resolve its host; every address must be reachable by webhooks.
+    ``lookup``: the resolver, called as ``socket.getaddrinfo`` (the default) is."""
     try:
         check_webhook_url(url)
     except ValueError as exc:
@@ -96,7 +98,7 @@ def resolve(url: str, allow: Sequence[IPNetwork] = ()) -> Target:
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = (lookup or socket.getaddrinfo)(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise WebhookRefused(f"cannot resolve {host!r}: {exc.strerror}") from None
     addresses = [str(info[4][0]) for info in infos]
