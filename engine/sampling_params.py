@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
@@ -76,7 +76,7 @@ class ResponseFormat:
     type: ResponseFormatType = "text"
     json_schema: JsonSchema | None = None
     regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
+    choice: Sequence[str] | None = None
     grammar: str | None = None
 
     def __post_init__(self) -> None:
@@ -165,8 +165,8 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
-    stop: tuple[str, ...] | list[str] | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    stop: Sequence[str] | None = None
+    stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0

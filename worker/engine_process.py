@@ -16,7 +16,7 @@ reading events, so the loop never blocks on the child.
 
 from __future__ import annotations
 
-import json
+import ctypes
 import logging
 import os
 import queue
@@ -27,23 +27,24 @@ import struct
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
-from engine.sampling_params import SamplingParams
-from worker.engine_thread import (
-    IDLE_WAIT_S,
-    Abort,
-    Add,
+from worker.engine_thread import IDLE_WAIT_S, serve
+from worker.messages import (
+    CODEC,
     Command,
     Crashed,
     Event,
+    Ready,
     Rejected,
-    Stepped,
-    serve,
+    Start,
+    StartFailed,
+    Stop,
+    job_id_of,
 )
 from worker.settings import LOG_FORMAT
 
@@ -55,18 +56,20 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!I")
 READ_CHUNK = 1 << 20
 EXIT_WAIT_S = 10.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # -- the wire ------------------------------------------------------------------------------------
 
-def frame(message: dict[str, Any]) -> bytes:
-    """One message as sent: its length (4 bytes, big-endian), then its JSON."""
-    payload = json.dumps(message, separators=(",", ":")).encode()
+def frame(message: msgspec.Struct) -> bytes:
+    """One message as sent: its length (4 bytes, big-endian), then its msgpack."""
+    payload = CODEC.encode(message)
     return _LENGTH.pack(len(payload)) + payload
 
 
 class Frames:
-    """Messages read from a socket: :meth:`read` returns the complete ones that arrived."""
+    """Message payloads read from a socket: :meth:`read` returns the complete ones that
+    arrived, each to be decoded by the side's ``CODEC`` method."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -74,7 +77,7 @@ class Frames:
         self._ready = selectors.DefaultSelector()  # not select(): fds past 1024 are fine
         self._ready.register(sock, selectors.EVENT_READ)
 
-    def read(self, timeout_s: float | None) -> list[dict[str, Any]] | None:
+    def read(self, timeout_s: float | None) -> list[bytes] | None:
         """Wait up to ``timeout_s`` (None: until a message) for messages; None once the other
         side has closed."""
         while True:
@@ -90,7 +93,7 @@ class Frames:
             if messages or timeout_s is not None:
                 return messages
 
-    def _split(self) -> list[dict[str, Any]]:
+    def _split(self) -> list[bytes]:
         messages, at = [], 0
         buf = self._buffer
         while len(buf) - at >= _LENGTH.size:
@@ -98,60 +101,10 @@ class Frames:
             if len(buf) - at - _LENGTH.size < size:
                 break
             start = at + _LENGTH.size
-            messages.append(json.loads(bytes(buf[start:start + size])))
+            messages.append(bytes(buf[start:start + size]))
             at = start + size
         del buf[:at]
         return messages
-
-
-def encode_command(cmd: Command) -> dict[str, Any]:
-    if isinstance(cmd, Add):
-        return {"t": "add", "id": cmd.job_id, "prompt": cmd.prompt,
-                "params": asdict(cmd.params), "priority": cmd.priority}
-    return {"t": "abort", "id": cmd.job_id}
-
-
-def decode_command(msg: dict[str, Any]) -> Command:
-    if msg["t"] == "add":
-        return Add(msg["id"], msg["prompt"], SamplingParams(**msg["params"]), msg["priority"])
-    return Abort(msg["id"])
-
-
-def encode_event(event: Event, token_bytes: Any) -> dict[str, Any]:
-    """``event`` as a message; ``token_bytes`` (the engine's) gives the bytes of every token
-    in the finished outputs' logprobs, which the worker stores beside them."""
-    if isinstance(event, Rejected):
-        return {"t": "rejected", "id": event.job_id, "error": event.error}
-    if isinstance(event, Crashed):
-        return {"t": "crashed", "error": event.error}
-    finished, tokens = [], set()
-    for out in event.finished:
-        d = asdict(out)
-        for c in d["outputs"]:
-            if c["logprobs"] is not None:  # {id: logprob} keeps its order as pairs
-                c["logprobs"] = [list(step.items()) for step in c["logprobs"]]
-                tokens.update(t for step in c["logprobs"] for t, _ in step)
-        finished.append(d)
-    return {"t": "step", "time": event.time_s, "progress": event.progress,
-            "finished": finished, "stats": asdict(event.stats),
-            "bytes": {str(t): token_bytes(t).hex() for t in tokens}}
-
-
-def decode_event(msg: dict[str, Any], token_bytes: dict[int, bytes]) -> Event:
-    """The event of a message; the token bytes it carries go into ``token_bytes``."""
-    if msg["t"] == "rejected":
-        return Rejected(msg["id"], msg["error"])
-    if msg["t"] == "crashed":
-        return Crashed(msg["error"])
-    token_bytes.update((int(t), bytes.fromhex(b)) for t, b in msg["bytes"].items())
-    finished = []
-    for d in msg["finished"]:
-        outputs = [CompletionOutput(**{**c, "logprobs": None if c["logprobs"] is None else
-                                       [dict(step) for step in c["logprobs"]]})
-                   for c in d["outputs"]]
-        finished.append(RequestOutput(**{**d, "outputs": outputs,
-                                         "metrics": RequestMetrics(**d["metrics"])}))
-    return Stepped(msg["time"], msg["progress"], finished, EngineStats(**msg["stats"]))
 
 
 # -- the parent's side ---------------------------------------------------------------------------
@@ -170,7 +123,6 @@ class EngineProcess:
     def __init__(self, config: EngineConfig) -> None:
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._token_bytes: dict[int, bytes] = {}
         self._stopping = threading.Event()
         self._sock, child = socket.socketpair()
         env = dict(os.environ)
@@ -178,13 +130,15 @@ class EngineProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         with child:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "worker.engine_process", str(child.fileno())],
-                pass_fds=(child.fileno(),), env=env)
-        self._sock.sendall(frame({"t": "config", "config": asdict(config)}))
+                [sys.executable, "-m", "worker.engine_process", str(child.fileno()),
+                 str(os.getpid())], pass_fds=(child.fileno(),), env=env)
+        self._sock.sendall(frame(Start(config)))
         self._frames = Frames(self._sock)
         hello = self._frames.read(None)
-        if not hello or hello[0]["t"] != "ready":
-            error = hello[0]["error"] if hello else f"exited with code {self.process.wait()}"
+        reply = CODEC.reply(hello[0]) if hello else None
+        if not isinstance(reply, Ready):
+            error = (reply.error if isinstance(reply, StartFailed)
+                     else f"exited with code {self.process.wait()}")
             self._sock.close()
             try:
                 self.process.wait(EXIT_WAIT_S)
@@ -192,7 +146,7 @@ class EngineProcess:
                 self.process.kill()
                 self.process.wait()
             raise EngineStartError(f"the engine process could not start: {error}")
-        self._has_chat_template: bool = hello[0]["has_chat_template"]
+        self._has_chat_template = reply.has_chat_template
         self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
         self._writer = threading.Thread(target=self._write, name="engine-commands",
                                         daemon=True)
@@ -202,10 +156,6 @@ class EngineProcess:
     def has_chat_template(self) -> bool:
         return self._has_chat_template
 
-    def token_bytes(self, token_id: int) -> bytes:
-        """The bytes of a token that came in a finished output's logprobs."""
-        return self._token_bytes[token_id]
-
     def start(self) -> None:
         self._reader.start()
         self._writer.start()
@@ -213,9 +163,10 @@ class EngineProcess:
     def stop(self, timeout_s: float = EXIT_WAIT_S) -> None:
         """Ask the child to exit (killed if it has not after ``timeout_s``)."""
         self._stopping.set()
-        self.commands.put(None)  # type: ignore[arg-type]  # wakes the writer, which says stop
-        if not self._writer.is_alive():
-            self._send({"t": "stop"})
+        if self._writer.is_alive():
+            self.commands.put(Stop())  # sent after the commands before it
+        else:
+            self._send(Stop())
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -226,7 +177,7 @@ class EngineProcess:
             self._reader.join(EXIT_WAIT_S)  # it ends at the socket's end of file
         self._sock.close()
 
-    def _send(self, message: dict[str, Any]) -> bool:
+    def _send(self, message: msgspec.Struct) -> bool:
         try:
             self._sock.sendall(frame(message))
             return True
@@ -234,19 +185,18 @@ class EngineProcess:
             return False
 
     def _write(self) -> None:
-        while (cmd := self.commands.get()) is not None and self._send(encode_command(cmd)):
+        while self._send(cmd := self.commands.get()) and not isinstance(cmd, Stop):
             pass
-        self._send({"t": "stop"})
 
     def _read(self) -> None:
         try:
             while (messages := self._frames.read(None)) is not None:
-                for msg in messages:
-                    event = decode_event(msg, self._token_bytes)
+                for payload in messages:
+                    event = CODEC.event(payload)
                     self.events.put(event)
                     if isinstance(event, Crashed):
                         return
-        except (OSError, ValueError):
+        except OSError:
             pass  # the socket closed under us: the process is gone or being stopped
         except Exception:  # a message this side cannot read: a bug, handled as a crash
             log.exception("unreadable message from the engine process")
@@ -259,10 +209,24 @@ class EngineProcess:
 
 # -- the child's side ----------------------------------------------------------------------------
 
-def child_main(fd: int) -> int:
+def _die_with(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux), however it dies: a killed worker
+    must not leave its engine running (in a long grammar compile it would not read the
+    socket for minutes). The signal follows the thread that started the child, so the
+    worker builds its engine process on its main thread."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # it died before the line above
+        os._exit(1)
+
+
+def child_main(fd: int, parent_pid: int) -> int:
     """The engine process: build the engine from the parent's config, then :func:`serve` it
     until the parent says stop or goes away."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    _die_with(parent_pid)
     # Signals are the parent's business: it drains, then tells this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -270,22 +234,23 @@ def child_main(fd: int) -> int:
     sock = socket.socket(fileno=fd)
     frames = Frames(sock)
     first = frames.read(None)
-    if not first or first[0]["t"] != "config":
+    if not first:
         return 2
+    start = CODEC.start(first[0])
     try:
-        engine = _build(EngineConfig(**first[0]["config"]))
+        engine = _build(start.config)
     except Exception as exc:
         log.exception("the engine could not be built")
-        sock.sendall(frame({"t": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        sock.sendall(frame(StartFailed(f"{type(exc).__name__}: {exc}")))
         return 1
-    sock.sendall(frame({"t": "ready", "has_chat_template": engine.has_chat_template}))
+    sock.sendall(frame(Ready(engine.has_chat_template)))
     stop, crashed = threading.Event(), threading.Event()
 
     def emit(event: Event) -> None:
         if isinstance(event, Crashed):
             crashed.set()
         try:
-            sock.sendall(frame(encode_event(event, engine.token_bytes)))
+            sock.sendall(frame(event))
         except OSError:  # the parent is gone
             stop.set()
 
@@ -294,15 +259,12 @@ def child_main(fd: int) -> int:
         if messages is None:  # the parent is gone
             stop.set()
             return []
-        commands = []
-        for m in messages:
-            if m["t"] == "stop":
-                stop.set()
-                continue
+        commands: list[Command] = []
+        for payload in messages:
             try:
-                commands.append(decode_command(m))
-            except Exception as exc:  # checked at submission; a mismatch fails that job alone
-                emit(Rejected(m.get("id", ""), f"{type(exc).__name__}: {exc}"))
+                commands.append(CODEC.command(payload))
+            except msgspec.ValidationError as exc:  # checked at submission: a version mismatch
+                emit(Rejected(job_id_of(payload), f"ValidationError: {exc}"))
         return commands
 
     serve(engine, take, emit, stop.is_set)
@@ -316,4 +278,4 @@ def _build(config: EngineConfig) -> LLMEngine:
 
 
 if __name__ == "__main__":
-    raise SystemExit(child_main(int(sys.argv[1])))
+    raise SystemExit(child_main(int(sys.argv[1]), int(sys.argv[2])))

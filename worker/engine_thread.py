@@ -1,14 +1,14 @@
-"""Driving an engine: the loop that owns it, the messages to and from it, and the runner that
-keeps it on a thread of the worker process.
+"""Driving an engine: the loop that owns it and the runner that keeps it on a thread of the
+worker process.
 
-The worker loop sends :class:`Add`/:class:`Abort` commands through ``commands`` and receives
-:class:`Stepped`, :class:`Rejected` and :class:`Crashed` events through ``events``, so neither
-side ever waits on the other's I/O. :func:`serve` is the engine's side: it applies commands
-between steps and steps back to back while there is work. It runs either on a thread
-(:class:`EngineThread`, for an engine object given to the worker: tests, stand-ins) or in a
-process of its own (``worker.engine_process.EngineProcess``, what ``kvbatch worker`` runs), behind
-the same :class:`EngineRunner` face. :class:`Engine` is all the loop needs of an engine:
-``engine.LLMEngine`` is one, and tests wrap it to inject faults.
+The worker loop sends ``Add``/``Abort``/``Stop`` commands through ``commands`` and receives
+``Stepped``, ``Rejected`` and ``Crashed`` events through ``events`` (the types of
+``worker.messages``), so neither side ever waits on the other's I/O. :func:`serve` is the
+engine's side: it applies commands between steps and steps back to back while there is work.
+It runs either on a thread (:class:`EngineThread`, for an engine object given to the worker:
+tests, stand-ins) or in a process of its own (``worker.engine_process.EngineProcess``, what
+``kvbatch worker`` runs), behind the same :class:`EngineRunner` face. :class:`Engine` is all
+the loop needs of an engine: ``engine.LLMEngine`` is one, and tests wrap it to inject faults.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from worker.messages import Add, Command, Crashed, Event, Prompt, Rejected, Stepped, Stop
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
@@ -30,9 +31,6 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
 IDLE_STATS_INTERVAL_S = 1.0
-
-
-Prompt = str | list[dict[str, str]]  # plain text, or chat messages for the chat template
 
 
 class Engine(Protocol):
@@ -55,47 +53,6 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
 
-@dataclass(frozen=True)
-class Add:
-    job_id: str
-    prompt: Prompt
-    params: SamplingParams
-    priority: int
-
-
-@dataclass(frozen=True)
-class Abort:
-    job_id: str
-
-
-Command = Add | Abort
-
-
-@dataclass(frozen=True)
-class Stepped:
-    """One step: how far each unfinished request got, the finished ones whole, and the engine
-    stats right after it."""
-
-    time_s: float  # time.monotonic() when the step returned
-    progress: dict[str, int]  # unfinished request -> tokens of its longest sample so far
-    finished: list[RequestOutput]
-    stats: EngineStats
-
-
-@dataclass(frozen=True)
-class Rejected:
-    job_id: str
-    error: str
-
-
-@dataclass(frozen=True)
-class Crashed:
-    error: str
-
-
-Event = Stepped | Rejected | Crashed
-
-
 class EngineRunner(Protocol):
     """An engine being driven: commands in, events out (a thread or a process)."""
 
@@ -105,30 +62,35 @@ class EngineRunner(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
 
-    def token_bytes(self, token_id: int) -> bytes: ...
-
     def start(self) -> None: ...
 
     def stop(self, timeout_s: float = 10.0) -> None: ...
 
 
-def stepped(time_s: float, outputs: list[RequestOutput], stats: EngineStats) -> Stepped:
-    """A step's event from its outputs: the finished ones kept whole, the others counted."""
+def stepped(engine: Engine, time_s: float, outputs: list[RequestOutput]) -> Stepped:
+    """A step's event from its outputs: the finished ones kept whole with the bytes of the
+    tokens in their logprobs, the others counted."""
     progress = {o.request_id: max((len(c.token_ids) for c in o.outputs), default=0)
                 for o in outputs if not o.finished}
-    return Stepped(time_s, progress, [o for o in outputs if o.finished], stats)
+    finished = [o for o in outputs if o.finished]
+    tokens = {t for o in finished for c in o.outputs for step in c.logprobs or () for t in step}
+    return Stepped(time_s, progress, finished, engine.stats(),
+                   {t: engine.token_bytes(t) for t in tokens})
 
 
 def serve(engine: Engine, commands: Callable[[bool], Iterable[Command]],
           emit: Callable[[Event], None], stopped: Callable[[], bool]) -> None:
-    """Own ``engine`` until ``stopped()``: apply the commands ``commands(block)`` returns
-    (``block``: nothing to step, so wait a little for some), step while there is work, and
-    ``emit`` each step (and, when idle, the stats once a second). An exception from the engine
-    ends it with :class:`Crashed`; a request the engine refuses is :class:`Rejected` alone."""
+    """Own ``engine`` until a :class:`Stop` command or ``stopped()``: apply the commands
+    ``commands(block)`` returns (``block``: nothing to step, so wait a little for some), step
+    while there is work, and ``emit`` each step (and, when idle, the stats once a second). An
+    exception from the engine ends it with :class:`Crashed`; a request the engine refuses is
+    :class:`Rejected` alone."""
     last_stats = 0.0
     try:
         while not stopped():
             for cmd in commands(not engine.has_unfinished_requests()):
+                if isinstance(cmd, Stop):
+                    return
                 if isinstance(cmd, Add):
                     try:
                         engine.add_request(cmd.job_id, cmd.prompt, cmd.params,
@@ -140,7 +102,7 @@ def serve(engine: Engine, commands: Callable[[bool], Iterable[Command]],
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 last_stats = time.monotonic()
-                emit(stepped(last_stats, outputs, engine.stats()))
+                emit(stepped(engine, last_stats, outputs))
             elif time.monotonic() - last_stats > IDLE_STATS_INTERVAL_S:
                 last_stats = time.monotonic()
                 emit(Stepped(last_stats, {}, [], engine.stats()))
@@ -156,23 +118,19 @@ class EngineThread:
         self._engine = engine
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._stop = threading.Event()
         self._thread = threading.Thread(
-            target=serve, args=(engine, self._take, self.events.put, self._stop.is_set),
+            target=serve, args=(engine, self._take, self.events.put, lambda: False),
             name="engine", daemon=True)
 
     @property
     def has_chat_template(self) -> bool:
         return self._engine.has_chat_template
 
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._engine.token_bytes(token_id)
-
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
+        self.commands.put(Stop())
         self._thread.join(timeout_s)
 
     def _take(self, block: bool) -> list[Command]:

@@ -41,10 +41,11 @@ from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore, FeedStore, MaintenanceStore
 from worker.engine_process import EngineProcess
-from worker.engine_thread import Abort, Add, Crashed, Engine, EngineThread, Rejected, Stepped
+from worker.engine_thread import Engine, EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
 from worker.maintenance import UpkeepThread
+from worker.messages import Abort, Add, Crashed, Rejected, Stepped
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
@@ -317,7 +318,7 @@ class Worker:
                 continue  # handed back already
             self._observe_tokens(h, max((len(c.token_ids) for c in out.outputs), default=0),
                                  ev.time_s)
-            self.results.add(self._outcome(h, out), h.delivery)
+            self.results.add(self._outcome(h, out, ev.token_bytes), h.delivery)
 
     def _observe_tokens(self, h: Held, n_tokens: int, time_s: float) -> None:
         new = n_tokens - h.tokens_seen
@@ -328,9 +329,9 @@ class Worker:
                     self.metrics.itl.observe(gap)
             h.tokens_seen, h.last_token_s = n_tokens, time_s
 
-    def _outcome(self, h: Held, out: RequestOutput) -> Outcome:
+    def _outcome(self, h: Held, out: RequestOutput, token_bytes: dict[int, bytes]) -> Outcome:
         outcome = engine_outcome(out, h.spec, h.admitted_at, h.abort_as,
-                                 self.engine.token_bytes,
+                                 token_bytes,
                                  self.limits.max_result_bytes)
         stats = outcome.stats
         assert stats is not None

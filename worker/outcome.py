@@ -8,7 +8,7 @@ wait before the engine (``admitted_at - submitted_at``) plus monotonic durations
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from jobs.schemas import (
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
 
 
-TokenBytes = Callable[[int], bytes]
+TokenBytes = Mapping[int, bytes]  # a token id's bytes
 
 
 def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
@@ -40,7 +40,7 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         spec: the job.
         admitted_at: ``time.time()`` when the worker handed the job to the engine.
         abort_as: why the worker aborted it (CANCELLED or EXPIRED), if it did.
-        token_bytes: a token id's bytes (the engine's ``token_bytes``), for logprobs.
+        token_bytes: the bytes of the tokens in the logprobs (``Stepped.token_bytes``).
         max_result_bytes: a result larger than this (as JSON) is not stored: the job fails
             with its size and the limit, its statistics kept.
     """
@@ -116,7 +116,7 @@ def _logprobs(steps: list[dict[int, float]] | None, top: int,
 
 
 def _entry(token: int, logprob: float, token_bytes: TokenBytes) -> TopLogprob:
-    raw = token_bytes(token)
+    raw = token_bytes[token]
     # SQL text cannot hold NUL; the bytes keep the token exact.
     text = raw.decode("utf-8", errors="replace").replace("\x00", "\ufffd")
     return TopLogprob(token=text, token_id=token, logprob=float(logprob), bytes=list(raw))

@@ -82,7 +82,7 @@ def test_worker_reports_every_stats_field() -> None:
                         finished=True, metrics=metrics)
     spec = JobSpec(id="j", model="m", prompt="p", submitted_at=1000.0)
     outcome = engine_outcome(out, spec, admitted_at=1002.0, abort_as=None,
-                             token_bytes=lambda t: b"x")
+                             token_bytes={})
     assert outcome.stats is not None
     assert outcome.stats.model_fields_set == set(STATS)
     assert outcome.stats.ttft_s == pytest.approx(3.0)  # 2 s before the engine + 1 s in it

@@ -8,24 +8,19 @@ import math
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import msgspec
 import pytest
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
-from worker.engine_process import (
-    EngineProcess,
-    EngineStartError,
-    Frames,
-    decode_command,
-    decode_event,
-    encode_command,
-    encode_event,
-    frame,
-)
-from worker.engine_thread import Abort, Add, Crashed, Event, Rejected, Stepped
+from worker.engine_process import EngineProcess, EngineStartError, Frames, frame
+from worker.messages import CODEC, Abort, Add, Crashed, Event, Rejected, Stepped, Stop
 
 STATS = EngineStats(num_running=1, num_waiting=2, num_swapped=1, num_kv_blocks_total=64,
                     num_kv_blocks_free=60, kv_usage=0.0625, kv_bytes_per_block=4096,
@@ -34,8 +29,8 @@ STATS = EngineStats(num_running=1, num_waiting=2, num_swapped=1, num_kv_blocks_t
                     num_batched_tokens=13, num_grammar_compiles=1)
 
 
-def _wire(message: dict) -> dict:
-    """``message`` as the other side reads it: framed, sent through a socket pair, parsed."""
+def _wire(message: msgspec.Struct) -> bytes:
+    """``message`` as the other side reads it: framed, sent through a socket pair, split."""
     a, b = socket.socketpair()
     with a, b:
         a.sendall(frame(message))
@@ -51,8 +46,11 @@ def test_commands_cross_the_wire_equal() -> None:
             "name": "row", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
                                       "required": ["a"]}}})
     for cmd in (Add("job-1", [{"role": "user", "content": "héllo \u2603"}], params, -3),
-                Add("job-2", "raw text", SamplingParams(), 0), Abort("job-3")):
-        assert decode_command(_wire(encode_command(cmd))) == cmd
+                Add("job-2", "raw text", SamplingParams(), 0), Abort("job-3"), Stop()):
+        assert CODEC.command(_wire(cmd)) == cmd
+    got = CODEC.command(_wire(Add("j", "p", params)))
+    assert isinstance(got, Add) and got.params.response_format == params.response_format
+    assert got.params.logit_bias == {11: -100.0, 12: 5.5} and got.params.stop == ("\n\n",)
 
 
 def test_events_cross_the_wire_equal() -> None:
@@ -64,26 +62,35 @@ def test_events_cross_the_wire_equal() -> None:
     out = RequestOutput("job-1", [1, 2, 3, 4], [
         CompletionOutput(0, [9, 4], "ab", "length", logprobs),
         CompletionOutput(1, [9, 5], "ac", "stop", None)], True, metrics)
-    event = Stepped(12.5, {"job-2": 7}, [out], STATS)
-    vocab = {t: f"<{t}>".encode() for t in (9, 3, 9000, 4, 5)}
-    token_bytes: dict[int, bytes] = {}
-    assert decode_event(_wire(encode_event(event, vocab.__getitem__)), token_bytes) == event
-    assert token_bytes == vocab
-    assert list(event.finished[0].outputs[0].logprobs[0]) == [9, 3, 9000]
+    vocab = {t: f"<{t}>\xff".encode("latin-1") for t in (9, 3, 9000, 4, 5)}
+    event = Stepped(12.5, {"job-2": 7}, [out], STATS, vocab)
+    got = CODEC.event(_wire(event))
+    assert got == event
+    assert isinstance(got, Stepped) and got.token_bytes == vocab
+    assert list(got.finished[0].outputs[0].logprobs[0]) == [9, 3, 9000]
     for other in (Rejected("job-3", "ValueError: prompt too long"), Crashed("Traceback ...")):
-        assert decode_event(_wire(encode_event(other, vocab.__getitem__)), {}) == other
+        assert CODEC.event(_wire(other)) == other
+
+
+def test_a_message_of_the_wrong_kind_or_shape_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError, match="stepped"):
+        CODEC.command(_wire(Stepped(1.0, {}, [], STATS)))
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        CODEC.command(msgspec.msgpack.encode({"type": "add", "job_id": "j", "prompt": "p",
+                                              "params": {"temperature": -1.0}}))
 
 
 def test_frames_split_and_join_across_reads() -> None:
     a, b = socket.socketpair()
     with a, b:
-        data = b"".join(frame({"i": i, "pad": "x" * i * 1000}) for i in range(50))
+        data = b"".join(frame(Rejected(str(i), "x" * i * 1000)) for i in range(50))
         frames = Frames(b)
-        got: list[dict] = []
+        got: list[bytes] = []
         for at in range(0, len(data), 777):  # messages cut at arbitrary places
             a.sendall(data[at:at + 777])
             got += frames.read(1.0) or []
-        assert [m["i"] for m in got] == list(range(50))
+        assert [CODEC.event(m) for m in got] == [Rejected(str(i), "x" * i * 1000)
+                                                 for i in range(50)]
         a.close()
         assert frames.read(1.0) is None  # the other side closed
 
@@ -127,9 +134,10 @@ def test_child_engine_matches_the_engine_in_this_process(tiny_model: str) -> Non
             assert [list(step) for step in got_lp] == [list(step) for step in want_lp]
             assert [v for step in got_lp for v in step.values()] == pytest.approx(
                 [v for step in want_lp for v in step.values()], abs=1e-5)
-            for step in got_lp:
-                for token in step:
-                    assert proc.token_bytes(token) == engine.token_bytes(token)
+        token_bytes = {t: b for e in events if isinstance(e, Stepped)
+                       for t, b in e.token_bytes.items()}
+        assert token_bytes == {t: engine.token_bytes(t) for o in finished.values()
+                               for step in o.outputs[0].logprobs for t in step}
         (rejected,) = [e for e in events if isinstance(e, Rejected)]
         assert rejected.job_id == "bad" and rejected.error.startswith("ValueError: ")
         progress = [e.progress for e in events if isinstance(e, Stepped) and e.progress]
@@ -171,14 +179,15 @@ def test_child_ignores_signals_and_leaves_with_its_parent(tiny_model: str) -> No
 def test_a_command_the_child_cannot_read_fails_that_job_alone(tiny_model: str) -> None:
     proc = EngineProcess(_config(tiny_model))
     proc.start()
-    try:  # as from a worker of another version: a sampling field this engine does not know
-        proc._sock.sendall(frame({"t": "add", "id": "odd", "prompt": "p", "priority": 0,
-                                  "params": {"max_tokens": 2, "beam_width": 4}}))
+    try:  # as from a worker of another version: a sampling field of another type
+        payload = msgspec.msgpack.encode({"type": "add", "job_id": "odd", "prompt": "p",
+                                          "params": {"max_tokens": "two"}})
+        proc._sock.sendall(len(payload).to_bytes(4, "big") + payload)
         proc.commands.put(Add("fine", "p", SamplingParams(max_tokens=2), 0))
         events = _events_until(proc, lambda evs: any(
             isinstance(e, Stepped) and e.finished for e in evs))
         (rejected,) = [e for e in events if isinstance(e, Rejected)]
-        assert rejected.job_id == "odd" and "beam_width" in rejected.error
+        assert rejected.job_id == "odd" and "$.params.max_tokens" in rejected.error
         assert [o.request_id for e in events if isinstance(e, Stepped) for o in e.finished] == [
             "fine"]
     finally:
@@ -188,13 +197,44 @@ def test_a_command_the_child_cannot_read_fails_that_job_alone(tiny_model: str) -
 def test_the_worker_side_does_not_load_torch() -> None:
     """The worker process holds Redis, SQL and the loop; torch (hundreds of MB resident) is
     the engine process's alone."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = ("import sys, worker.cli, worker.loop, worker.main, worker.engine_process; "
             "from worker.settings import worker_settings; worker_settings(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[2])
     assert out.stdout.strip() == "[]"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal")
+def test_a_killed_worker_takes_its_engine_process_with_it(tiny_model: str) -> None:
+    """A worker killed with SIGKILL closes nothing: the child, which ignores SIGTERM and may be
+    busy for minutes between two reads of its socket, is killed by the kernel with it."""
+    code = ("import sys, time; from engine.config import EngineConfig; "
+            "from worker.engine_process import EngineProcess; "
+            f"p = EngineProcess(EngineConfig(model={tiny_model!r}, device='cpu', "
+            "num_kv_blocks=64)); print(p.process.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    try:
+        assert _alive(child)
+        os.kill(child, signal.SIGSTOP)  # as busy as a long compile: it reads nothing
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30  # only a hang reaches it
+        while _alive(child):
+            assert time.monotonic() < deadline, "the engine process outlived its worker"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
