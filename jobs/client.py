@@ -26,9 +26,9 @@ from jobs.feed import Feeder
 from jobs.follow import Follower, NoticeHub
 from jobs.limits import JobLimits
 from jobs.queue import JobQueue, live_workers, publish_done, signal_cancel
-from jobs.schemas import JobInfo, JobSpec, JobStatus, encode_job
+from jobs.schemas import BatchStatus, JobInfo, JobSpec, JobStatus, encode_job
 from jobs.stats import Stats, aggregate
-from jobs.store import FeedStore, JobReader, ProducerStore
+from jobs.store import BatchStore, FeedStore, JobReader, ProducerStore
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class JobClient:
         self.engine = as_engine(database)
         self.producer = ProducerStore(self.engine)
         self.reader = JobReader(self.engine)
+        self.batches = BatchStore(self.engine)
         self.feed_store = FeedStore(self.engine)
         self.notices = NoticeHub(self.redis, self.keys.done_channel(), self.reader)
         self._feeders: dict[str, Feeder] = {}
@@ -123,9 +124,11 @@ class JobClient:
             pending.result()
 
     def store(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
-              deadline: datetime | None = None) -> None:
+              deadline: datetime | None = None, fence: int | None = None) -> None:
         """Insert checked ``specs`` (one transaction) and hand them to the workers; a new
         batch row takes ``webhook_url`` and ``deadline``. Callers check first (:meth:`check`).
+        ``fence``: the token of the batch's lease (``jobs.lease``) its writer holds; nothing
+        is stored if it is not the newest (``LeaseLost``).
 
         Jobs of a model whose stream has room for them, with no backlog in SQL, go to the
         stream at once; otherwise they join the backlog and the feeder (``jobs.feed``) moves
@@ -133,18 +136,19 @@ class JobClient:
         :meth:`store_behind`, another thread does it."""
         pool = getattr(self._behind, "pool", None)
         if pool is None:
-            self._store(specs, webhook_url, deadline)
+            self._store(specs, webhook_url, deadline, fence)
         else:
             self._settle()
-            self._behind.pending = pool.submit(self._store, specs, webhook_url, deadline)
+            self._behind.pending = pool.submit(self._store, specs, webhook_url, deadline, fence)
 
     def _store(self, specs: Sequence[JobSpec], webhook_url: str | None,
-               deadline: datetime | None) -> None:
+               deadline: datetime | None, fence: int | None) -> None:
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
             by_model[spec.model].append(spec)
         direct = {model for model, group in by_model.items() if self._has_room(model, len(group))}
-        self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline, fed=direct)
+        self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline, fed=direct,
+                                  fence=fence)
         for model, group in by_model.items():
             feeder = self._feeder(model)
             try:
@@ -249,11 +253,6 @@ class JobClient:
         """(id, custom_id, status) of every job of ``batch_id``."""
         return self.reader.batch_jobs(batch_id)
 
-    def batch_page(self, batch_id: str, *, succeeded: bool, after: str = "",
-                   limit: int = 500) -> list[JobInfo]:
-        """A page of a batch's terminal jobs, in id order (see ``JobReader.batch_page``)."""
-        return self.reader.batch_page(batch_id, succeeded=succeeded, after=after, limit=limit)
-
     def count_by_status(self, batch_id: str | None = None) -> dict[JobStatus, int]:
         """How many jobs (of ``batch_id``) are in each status; statuses without jobs are
         absent."""
@@ -299,9 +298,15 @@ class JobClient:
             publish_done(self.redis, self.keys, [(job_id, status.value)])
         return status
 
+    def batch_status(self, batch_id: str) -> BatchStatus | None:
+        """Where batch ``batch_id`` is in its lifecycle (None: unknown)."""
+        return self.batches.status(batch_id)
+
     def cancel_batch(self, batch_id: str) -> int:
-        """Cancel every unfinished job of ``batch_id``: queued ones at once, running ones by
-        their workers. Returns how many were cancelled or asked to stop."""
+        """Cancel batch ``batch_id``: it ends ``cancelled`` once every job is terminal; its
+        queued jobs are cancelled at once, running ones by their workers. Returns how many were
+        cancelled or asked to stop."""
+        self.batches.request_cancel(batch_id)
         cancelled, running = self.producer.cancel_batch(batch_id, time.time())
         for job_id in running:
             signal_cancel(self.redis, self.keys, job_id)

@@ -76,7 +76,7 @@ class Keys:
         return f"{self.prefix}:done"
 
     def batch_done(self, batch_id: str) -> str:
-        """Set to the batch's final status (``completed``/``expired``) once it is finalized."""
+        """Set to the batch's final status (``BatchStatus``) once it is finalized."""
         return f"{self.prefix}:batch-done:{batch_id}"
 
     def batch_done_channel(self) -> str:
@@ -94,6 +94,10 @@ class Keys:
     def feed_lock(self, model: str) -> str:
         """Held by the one process moving jobs of ``model`` from the SQL backlog to its stream."""
         return f"{self.prefix}:lock:feed:{model}"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """Held by the one HTTP API process validating the batch or writing its files."""
+        return f"{self.prefix}:lock:batch:{batch_id}"
 
     def feed_windows(self, model: str) -> str:
         """Hash of worker id -> how many jobs of ``model`` it wants kept in the stream."""

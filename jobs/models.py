@@ -27,7 +27,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from jobs.schemas import BatchStatus, JobStats, JobStatus, is_bytes
 
@@ -56,11 +56,16 @@ class Batch(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     deadline_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     num_jobs: Mapped[int] = mapped_column(Integer, default=0)
-    # Lifecycle, driven by the control plane (worker/control/): in_progress -> completed (every
-    # job terminal) or expired (deadline passed), set once; then the completion event, the
-    # webhook (retried with backoff) and the optional results export.
+    # The one lifecycle (``BatchStatus``): validating (HTTP batches) -> in_progress -> completed
+    # | expired | cancelled, or failed; moved only by ``jobs.store.BatchStore``. Then its
+    # finalization: the completion event, the webhook (retried with backoff), the exports.
     status: Mapped[str] = mapped_column(String(16), default=BatchStatus.IN_PROGRESS.value,
                                         server_default=BatchStatus.IN_PROGRESS.value)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The fencing token (``jobs.lease``) of the last holder of the batch's lease that wrote it.
+    fence: Mapped[int | None] = mapped_column(BigInteger)
+    # When it ended (whatever the status it ended in).
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     webhook_url: Mapped[str | None] = mapped_column(Text)
     webhook_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -174,11 +179,11 @@ class File(Base):
 
 
 class ApiBatch(Base):
-    """An OpenAI batch object of the HTTP API; its jobs carry its id as their ``batch_id``."""
+    """What the HTTP API adds to a batch (``batches``, same id): its owner and its files. The
+    status, times and counts are the batch's own (``batch``)."""
 
     __tablename__ = "api_batches"
-    __table_args__ = (Index("ix_api_batches_owner_id", "owner_id", "id"),
-                      Index("ix_api_batches_status", "status"))
+    __table_args__ = (Index("ix_api_batches_owner_id", "owner_id", "id"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner_id: Mapped[str] = mapped_column(
@@ -186,22 +191,11 @@ class ApiBatch(Base):
     input_file_id: Mapped[str] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16))
-    model: Mapped[str | None] = mapped_column(String(255))
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
-    status: Mapped[str] = mapped_column(String(16))
-    errors: Mapped[Any] = mapped_column(JSON)
-    total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    errors: Mapped[Any] = mapped_column(JSON)  # the input file's bad lines (failed)
     output_file_id: Mapped[str | None] = mapped_column(String(64))
     error_file_id: Mapped[str | None] = mapped_column(String(64))
-    # The API process validating or finalizing the batch, until when (see jobs.api.batches).
-    lease_holder: Mapped[str | None] = mapped_column(String(32))
-    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finalizing_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    cancelled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # When its output and error files were recorded: until then an ended batch is finalizing.
+    files_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    batch: Mapped[Batch] = relationship(primaryjoin="foreign(ApiBatch.id) == Batch.id",
+                                        lazy="joined", innerjoin=True, viewonly=True)

@@ -28,7 +28,7 @@ from jobs.constants import (
     Keys,
 )
 from jobs.route import ROUTE_BUCKETS, bucket_of
-from jobs.schemas import JobSpec, encode_job
+from jobs.schemas import JobSpec, JobStatus, encode_job
 
 DEAD_LETTER_MAXLEN = 100_000
 # A worker steals an entry of another's bucket once it has waited this long: an idle owner
@@ -518,6 +518,17 @@ def signal_cancel(client: redis.Redis, keys: Keys, job_id: str) -> None:
     pipe.set(keys.cancel(job_id), "1", ex=CANCEL_MARKER_TTL_S)
     pipe.publish(keys.cancel_channel(), job_id)
     pipe.execute()
+
+
+def announce_ended(client: redis.Redis, keys: Keys, status: JobStatus,
+                   ended: Sequence[tuple[str, str]]) -> None:
+    """Tell waiters that the jobs ``ended`` (id, status before) are now ``status``, then ask
+    the workers of those that were running to abort them, so that their KV blocks are freed
+    (first: publishing a job's end clears its cancel marker)."""
+    publish_done(client, keys, [(job_id, status.value) for job_id, _ in ended])
+    for job_id, before in ended:
+        if before == JobStatus.RUNNING.value:
+            signal_cancel(client, keys, job_id)
 
 
 def _delivery(stream: str, entry_id: str, fields: dict[str, str]) -> Delivery:

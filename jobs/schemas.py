@@ -62,12 +62,33 @@ ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
 
 
 class BatchStatus(StrEnum):
-    """A batch's lifecycle: ``in_progress`` until every job is terminal (``completed``) or its
-    deadline passes (``expired``); set once."""
+    """A batch's one lifecycle, whichever door it came in by (SDK, ``kvbatch submit``, HTTP)::
 
+        validating ──▶ in_progress ──▶ completed | expired | cancelled
+             └──▶ failed
+
+    ``validating``: an input file is being read (HTTP batches only; the others start
+    ``in_progress``); ``failed``: it held invalid lines, nothing runs. ``in_progress`` ends when
+    every job is terminal (``completed``, or ``cancelled`` when a cancel was asked for) or when
+    its deadline passes (``expired``); set once, by ``jobs.store.BatchStore``. Finalization
+    (exports, the completion event, the webhook) follows the end and is bookkeeping of its own,
+    not a status; OpenAI's states are a view of this (``jobs.api.objects.openai_status``)."""
+
+    VALIDATING = "validating"
+    FAILED = "failed"
     IN_PROGRESS = "in_progress"
     COMPLETED = "completed"
     EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        """Whether the batch has ended: it is finalized next (``failed`` has nothing to
+        finalize but its event)."""
+        return self not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+
+
+ENDED_BATCH = [s.value for s in BatchStatus if s.ended]
 
 
 class _Strict(BaseModel):

@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
 from jobs.rows import Row, parse_row, rejected_row
-from jobs.schemas import JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
+from jobs.schemas import BatchStatus, JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
 from jobs.settings import connection_settings
 from jobs.stats import Stats
 
@@ -159,6 +159,10 @@ class BatchHandle:
             self._job_ids = {cid or job_id: job_id for job_id, cid, _
                              in self.jobs.batch_jobs(self.id)}
         return self._job_ids
+
+    def status(self) -> BatchStatus | None:
+        """Where the batch is in its lifecycle, now (None: no job of it stored yet)."""
+        return self.jobs.batch_status(self.id)
 
     def counts(self) -> BatchCounts:
         """How many of the batch's jobs are in each status, now."""

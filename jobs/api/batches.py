@@ -1,21 +1,24 @@
-"""A batch's life, as OpenAI's: ``validating`` → ``in_progress`` → ``finalizing`` →
-``completed``, or ``failed`` (invalid input file), ``expired`` (completion window passed),
-``cancelling`` → ``cancelled``.
+"""An HTTP batch: an input file checked and stored as the jobs of a batch (``BatchStatus``, the
+one lifecycle every batch has), then its output and error files. OpenAI's states are a view of
+the batch's (``jobs.api.objects.openai_status``).
 
 * **validating**: the input file is read twice, streaming. The first pass checks every line
   (JSON, endpoint, model, the row's fields by the same rules as ``kvbatch submit``, limits,
   unique ``custom_id``); any bad line fails the batch, with up to :data:`MAX_ERRORS` line
-  errors, and nothing runs. The second pass stores and enqueues the rows as jobs of a queue
-  batch with the same id, in chunks; ``custom_id`` is the key, so a pass cut off by a crash is
-  finished by the next one without running a row twice.
-* **in_progress**: the jobs run on the workers; ``request_counts`` are read from SQL.
-* **finalizing**: every job is terminal; the output file (succeeded rows) and the error file
-  (the others) are sized by streaming their lines from SQL, then recorded. Their content is
-  made from SQL again whenever it is read, never held whole anywhere.
+  errors, and nothing runs. The second pass stores the rows as the batch's jobs, in chunks;
+  ``custom_id`` is the key, so a pass cut off by a crash is finished by the next one without
+  running a row twice. A batch cancelled meanwhile starts with what was stored, cancelled.
+* **in_progress**: the jobs run on the workers; ``request_counts`` are read from SQL. The
+  batch ends by the one expiry and completion check (``BatchStore.expire_batches``,
+  ``complete_batches``), which the control plane runs too.
+* **ended** (OpenAI's ``finalizing`` until its files are recorded): the output file (succeeded
+  rows) and the error file (the others) are written by the one export (``jobs.export``), then
+  recorded. Their content is read back from storage, never held whole anywhere.
 
-A process takes a batch it validates or finalizes with a lease in its row, renewed as it
-goes: a second API replica leaves it alone, and if the process dies the lease runs out and
-another (or the same, restarted) takes it up. Every move is guarded by the status it leaves.
+A process validates a batch or writes its files under the batch's lease (``jobs.lease``),
+renewed as it goes: a second API replica leaves it alone, and if the process dies the lease
+runs out and another (or the same, restarted) takes it up. Its writes carry the lease's fencing
+token, so a holder that lost the lease while stalled changes nothing.
 """
 
 from __future__ import annotations
@@ -25,51 +28,34 @@ import logging
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
-from enum import StrEnum
 from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
-from jobs.api.objects import ApiError, not_found
+from jobs.api.objects import ApiError, not_found, openai_status
 from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import FileStorage, read_chunks
 from jobs.client import JobClient
 from jobs.constants import MAX_PAYLOAD_BYTES
+from jobs.export import export_batch
+from jobs.lease import Lease, LeaseLost
 from jobs.models import ApiBatch, File
+from jobs.queue import announce_ended
 from jobs.rows import CHAT_URL, COMPLETIONS_URL, RowKind, output_line, parse_row
-from jobs.schemas import JobSpec, JobStatus
+from jobs.schemas import BatchStatus, JobSpec, JobStatus
 from jobs.sdk import row_spec, validation_message
-from jobs.store import MaintenanceStore, db_now
-from jobs.store.transitions import aware
 
 log = logging.getLogger(__name__)
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 MAX_ERRORS = 100  # line errors kept on a failed batch
 CHUNK_ROWS = 1000  # rows per transaction and Redis pipeline when submitting
-PAGE_ROWS = 500  # jobs per read when writing output files
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})([hd])$")
 _WINDOW_S = {"h": 3600, "d": 86400}
-
-
-class Status(StrEnum):
-    VALIDATING = "validating"
-    FAILED = "failed"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-
-
-UNFINISHED = (Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING)
 
 
 def window_seconds(window: str) -> int:
@@ -103,13 +89,12 @@ class BatchRunner:
                  settings: ApiSettings) -> None:
         self.client, self.records, self.storage, self.settings = (
             client, records, storage, settings)
-        self.maintenance = MaintenanceStore(client.engine)
+        self.batches = client.batches
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="batch")
         self._busy: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self.holder = uuid.uuid4().hex[:16]  # this process, as a lease holder
 
     # -- requests --------------------------------------------------------------------------
 
@@ -135,40 +120,34 @@ class BatchRunner:
         if source.kind != "upload" or source.purpose != "batch":
             raise ApiError(400, f"file {input_file_id} was not uploaded with purpose 'batch'",
                            param="input_file_id")
-        row = ApiBatch(id=new_id("batch_"), owner_id=owner, input_file_id=input_file_id,
-                       endpoint=endpoint, completion_window=completion_window, meta=metadata,
-                       status=Status.VALIDATING.value, total=0)
-        with self.records.session() as session, session.begin():
-            now = db_now(session)
-            row.created_at, row.expires_at = now, now + timedelta(seconds=window_s)
-            session.add(row)
+        batch_id = new_id("batch_")
+        self.batches.create(batch_id, window_s, [ApiBatch(
+            id=batch_id, owner_id=owner, input_file_id=input_file_id, endpoint=endpoint,
+            completion_window=completion_window, meta=metadata)])
         self.wake()
-        return row
+        return self._own(owner, batch_id)
 
     def cancel(self, owner: str, batch_id: str) -> ApiBatch:
         """Ask batch ``batch_id`` to stop: its queued rows are cancelled, running ones
         aborted, and it ends ``cancelled`` with the output of what finished."""
-        row = self.records.get(ApiBatch, owner, batch_id)
-        for _ in range(3):  # the batch may move on (validated) between the read and the move
-            if row is None:
-                raise not_found("batch", batch_id)
-            if row.status not in (Status.VALIDATING, Status.IN_PROGRESS):
-                break
-            # A validator at work keeps its lease: the batch is not finalized until it stops.
-            row = self.records.move(batch_id, [row.status], Status.CANCELLING,
-                                    keep_lease=True) or self.records.get(ApiBatch, owner,
-                                                                         batch_id)
-        assert row is not None
-        if row.status not in (Status.CANCELLING, Status.CANCELLED):
+        self._own(owner, batch_id)
+        self.client.cancel_batch(batch_id)
+        row = self._own(owner, batch_id)
+        status = openai_status(row)
+        if status not in ("cancelling", "cancelled"):
             # 400, not 409: the openai client retries a 409
-            raise ApiError(400, f"batch {batch_id} is {row.status}: it cannot be cancelled")
-        if row.status == Status.CANCELLING:
-            self.client.cancel_batch(batch_id)
-            self.wake()
+            raise ApiError(400, f"batch {batch_id} is {status}: it cannot be cancelled")
+        self.wake()
+        return row
+
+    def _own(self, owner: str, batch_id: str) -> ApiBatch:
+        row = self.records.get(ApiBatch, owner, batch_id)
+        if row is None:
+            raise not_found("batch", batch_id)
         return row
 
     def counts(self, row: ApiBatch) -> dict[JobStatus, int]:
-        if row.status in (Status.VALIDATING, Status.FAILED):
+        if row.batch.status in (BatchStatus.VALIDATING, BatchStatus.FAILED):
             return {}
         return self.client.count_by_status(batch_id=row.id)
 
@@ -183,7 +162,7 @@ class BatchRunner:
         :meth:`stop`."""
         while not self._stop.is_set():
             try:
-                for row in self.records.unfinished(UNFINISHED):
+                for row in self.records.unfinished():
                     self.advance(row)
             except Exception:  # a database outage: try again next round
                 log.exception("batch round failed")
@@ -200,87 +179,99 @@ class BatchRunner:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def advance(self, row: ApiBatch) -> None:
-        """One step for batch ``row``: start validating or finalizing it (in the pool), or
-        see whether its jobs are all done."""
-        if row.status == Status.VALIDATING:
-            self._start(row.id, Status.VALIDATING, self._validate)
-        elif row.status == Status.FINALIZING:
-            self._start(row.id, Status.FINALIZING, self._finalize)
-        elif row.status in (Status.IN_PROGRESS, Status.CANCELLING):
-            self._follow(row)
+        """One step for batch ``row``: start validating it or writing its files (in the
+        pool), or see whether it ended."""
+        status = BatchStatus(row.batch.status)
+        if status is BatchStatus.VALIDATING:
+            self._start(row.id, self._validate)
+        elif ((status is BatchStatus.IN_PROGRESS and self._ended(row.id))
+              or (status.ended and status is not BatchStatus.FAILED and row.files_at is None)):
+            self._start(row.id, self._finalize)
 
-    def _start(self, batch_id: str, status: Status, work: Callable[[str], None]) -> None:
+    def _ended(self, batch_id: str) -> bool:
+        """The batch's expiry and completion check (the control plane's too); True once it
+        ended."""
+        now = time.time()
+        expired = self.batches.expire_batches(now, batch_ids=[batch_id])
+        for jobs in expired.values():
+            announce_ended(self.client.redis, self.client.keys, JobStatus.EXPIRED, jobs)
+        # settle time 0: an HTTP batch's rows were all stored before it started
+        return bool(expired or self.batches.complete_batches(now, 0.0, batch_ids=[batch_id]))
+
+    def _start(self, batch_id: str, work: Callable[[ApiBatch, Lease], None]) -> None:
         with self._lock:
             if batch_id in self._busy:
                 return
             self._busy.add(batch_id)
-        self._pool.submit(self._leased, batch_id, status, work)
+        self._pool.submit(self._leased, batch_id, work)
 
-    def _leased(self, batch_id: str, status: Status, work: Callable[[str], None]) -> None:
-        """``work`` on ``batch_id`` under this runner's lease (nothing if another holds it)."""
+    def lease(self, batch_id: str) -> Lease:
+        """The lease of batch ``batch_id`` (not taken yet)."""
+        return Lease(self.client.redis, self.client.keys.batch_lease(batch_id),
+                     self.settings.lease_s)
+
+    def _leased(self, batch_id: str, work: Callable[[ApiBatch, Lease], None]) -> None:
+        """``work`` on ``batch_id`` under its lease (nothing if another holds it)."""
+        lease = self.lease(batch_id)
         try:
-            if self.records.claim(batch_id, status, self.holder, self.settings.lease_s):
+            if lease.acquire():
                 try:
-                    work(batch_id)
+                    row = self.records.get(ApiBatch, None, batch_id)
+                    if row is not None and lease.token is not None and self.batches.fence(
+                            batch_id, lease.token):
+                        work(row, lease)
                 finally:
-                    self.records.release(batch_id, self.holder)
+                    lease.release()
+        except LeaseLost:
+            log.warning("batch %s: the lease went to another process", batch_id)
         except Exception:  # the batch is taken up again next round
-            log.exception("batch %s: %s step failed", batch_id, status)
+            log.exception("batch %s: %s failed", batch_id, work.__name__)
         finally:
             with self._lock:
                 self._busy.discard(batch_id)
 
-    def _renew(self, batch_id: str, status: Status) -> bool:
-        return self.records.renew(batch_id, status, self.holder, self.settings.lease_s)
-
-    def _follow(self, row: ApiBatch) -> None:
-        counts = self.client.count_by_status(batch_id=row.id)
-        if row.status == Status.CANCELLING:
-            if counts.get(JobStatus.QUEUED):  # stored after the cancel, by its validator
-                self.client.cancel_batch(row.id)
-                return
-            lease = aware(row.lease_until)
-            if lease is not None and lease.timestamp() > time.time():
-                return  # its validator may still store rows
-        elif (expires := aware(row.expires_at)) is not None and expires.timestamp() <= time.time():
-            self.maintenance.expire_batches(time.time(), batch_id=row.id)
-            counts = self.client.count_by_status(batch_id=row.id)
-        if any(not s.terminal for s in counts):
-            return
-        if self.records.move(row.id, [row.status], Status.FINALIZING):
-            self._start(row.id, Status.FINALIZING, self._finalize)
+    def _going(self, batch_id: str, lease: Lease) -> bool:
+        """Whether a validating batch goes on being stored: the lease is still this
+        process's, and nobody cancelled the batch."""
+        row = self.records.get(ApiBatch, None, batch_id)
+        return (lease.renew() and row is not None and row.batch.cancel_requested_at is None
+                and row.batch.status == BatchStatus.VALIDATING)
 
     # -- validating ------------------------------------------------------------------------
 
-    def _validate(self, batch_id: str) -> None:
-        row = self.records.get(ApiBatch, None, batch_id)
-        if row is None or row.status != Status.VALIDATING:
+    def _validate(self, row: ApiBatch, lease: Lease) -> None:
+        if row.batch.status != BatchStatus.VALIDATING:
             return
-        known = {cid for _, cid, _ in self.client.batch_jobs(batch_id)}
-        if not known:  # else an earlier pass checked the file and began storing its rows
-            try:
-                errors = self._check(row)
-            except FileNotFoundError:
-                errors = [_file_gone()]
-            if errors is None:
-                return  # cancelled while it was checked
-            if errors:
-                self._fail(batch_id, errors)
-                return
+        known = {cid for _, cid, _ in self.client.batch_jobs(row.id)}
+        model: str | None = None
         try:
-            self._submit(row, known)
+            # known rows: an earlier pass checked the file and began storing them
+            errors = [] if known or row.batch.cancel_requested_at else self._check(row, lease)
+            if errors == [] and row.batch.cancel_requested_at is None:
+                model = self._submit(row, known, lease)
         except FileNotFoundError:
-            self._fail(batch_id, [_file_gone()])
+            errors = [_file_gone()]
+        if errors:
+            self._fail(row.id, errors, lease)
+            return
+        if model is None:  # cancelled, or the lease was lost
+            if not lease.renew():
+                return
+            self.client.cancel_batch(row.id)  # the rows stored before the cancel
+        assert lease.token is not None
+        if self.batches.start(row.id, model or "", lease.token):
+            log.info("batch %s on %s in progress", row.id, model)
 
-    def _fail(self, batch_id: str, errors: list[LineError]) -> None:
-        if self.records.move(batch_id, [Status.VALIDATING], Status.FAILED,
-                             errors={"object": "list", "data": [e.entry() for e in errors]}):
+    def _fail(self, batch_id: str, errors: list[LineError], lease: Lease) -> None:
+        self.records.set_errors(batch_id, {"object": "list", "data": [e.entry() for e in errors]})
+        assert lease.token is not None
+        if self.batches.fail(batch_id, lease.token):
             self.client.cancel_batch(batch_id)  # rows an earlier pass stored, if any
             log.info("batch %s failed validation (%d errors)", batch_id, len(errors))
 
-    def _submit(self, row: ApiBatch, known: set[str | None]) -> None:
-        """The second pass: store the rows not in ``known`` as jobs, then ``in_progress``."""
-        batch_id = row.id
+    def _submit(self, row: ApiBatch, known: set[str | None], lease: Lease) -> str | None:
+        """The second pass: store the rows not in ``known`` as jobs; their model, or None
+        when it stopped (cancelled, or the lease lost)."""
         chunk: list[JobSpec] = []
         total, model = 0, None
         for _, spec in self._specs(row, None):
@@ -291,20 +282,18 @@ class BatchRunner:
                 chunk.append(spec)
             if total % CHUNK_ROWS == 0:
                 if chunk:
-                    self.client.store(chunk, deadline=row.expires_at)
+                    self.client.store(chunk, deadline=row.batch.deadline_at, fence=lease.token)
                     chunk = []
-                if not self._renew(batch_id, Status.VALIDATING):
-                    return  # cancelled: following the batch cancels what was stored
+                if not self._going(row.id, lease):
+                    return None
         if chunk:
-            self.client.store(chunk, deadline=row.expires_at)
+            self.client.store(chunk, deadline=row.batch.deadline_at, fence=lease.token)
         self.client.bulk_loaded(total)
-        if self.records.move(batch_id, [Status.VALIDATING], Status.IN_PROGRESS, total=total,
-                             model=model):
-            log.info("batch %s: %d requests on %s in progress", batch_id, total, model)
+        return model if self._going(row.id, lease) else None
 
-    def _check(self, row: ApiBatch) -> list[LineError] | None:
-        """The first pass: every line's errors (up to :data:`MAX_ERRORS`); None if the batch
-        left ``validating`` meanwhile (cancelled)."""
+    def _check(self, row: ApiBatch, lease: Lease) -> list[LineError] | None:
+        """The first pass: every line's errors (up to :data:`MAX_ERRORS`); None if it stopped
+        (cancelled, or the lease lost)."""
         errors: list[LineError] = []
         seen: set[str] = set()
         total, model = 0, None
@@ -322,7 +311,7 @@ class BatchRunner:
                 seen.add(str(spec.custom_id))
                 model = spec.model
             total += 1
-            if total % CHUNK_ROWS == 0 and not self._renew(row.id, Status.VALIDATING):
+            if total % CHUNK_ROWS == 0 and not self._going(row.id, lease):
                 return None
             if total > self.settings.max_requests_per_batch:
                 errors.append(LineError("too_many_requests", "a batch holds at most "
@@ -370,7 +359,7 @@ class BatchRunner:
                                                "/v1/models lists those that are)", "body.model")
         try:
             spec = row_spec(parse_row(obj, 0), model=model, batch_id=row.id, system_prompt=None,
-                            defaults={}, priority=0, deadline=row.expires_at)
+                            defaults={}, priority=0, deadline=row.batch.deadline_at)
             self.client.check(spec)
         except ValidationError as exc:
             raise LineError("invalid_request", validation_message(exc)) from None
@@ -378,52 +367,40 @@ class BatchRunner:
             raise LineError("invalid_request", str(exc)) from None
         return spec
 
-    # -- finalizing ------------------------------------------------------------------------
+    # -- its files ------------------------------------------------------------------------
 
-    def _finalize(self, batch_id: str) -> None:
-        row = self.records.get(ApiBatch, None, batch_id)
-        if row is None or row.status != Status.FINALIZING:
+    def _finalize(self, row: ApiBatch, lease: Lease) -> None:
+        if not BatchStatus(row.batch.status).ended or row.files_at is not None:
             return
-        counts = self.client.count_by_status(batch_id=batch_id)
         files = []
         for kind in ("output", "error"):
-            file = self._write_output(row, kind)
+            file = self._write_output(row, kind, lease)
             if file is None:
                 return  # the lease went to another process
             if file.bytes:
                 files.append(file)
-        status = (Status.CANCELLED if row.cancelling_at is not None
-                  else Status.EXPIRED if counts.get(JobStatus.EXPIRED) else Status.COMPLETED)
-        if self.records.finalize(batch_id, status, files):
-            log.info("batch %s %s", batch_id, status)
+        assert lease.token is not None
+        if self.records.record_files(row.id, files, lease.token):
+            log.info("batch %s %s", row.id, row.batch.status)
 
-    def _write_output(self, batch: ApiBatch, kind: str) -> File | None:
-        """Write the output (or error) file of ``batch`` from the jobs table into storage, a
-        page of jobs at a time; None if the lease was lost meanwhile."""
+    def _write_output(self, batch: ApiBatch, kind: str, lease: Lease) -> File | None:
+        """Write the output (or error) file of ``batch`` from the jobs table into storage
+        (``jobs.export``); None if the lease was lost meanwhile."""
         file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
         upload = self.storage.begin(file_id)
+        line_kind = RowKind(batch.endpoint)
         try:
-            after, size = "", 0
-            line_kind = RowKind(batch.endpoint)
-            while True:
-                page = self.client.batch_page(batch.id, succeeded=kind == "output",
-                                              after=after, limit=PAGE_ROWS)
-                if page:
-                    data = "".join(json.dumps(output_line(line_kind, info), ensure_ascii=False)
-                                   + "\n" for info in page).encode()
-                    upload.write(data)
-                    size += len(data)
-                    if not self._renew(batch.id, Status.FINALIZING):
-                        upload.discard()
-                        return None
-                if len(page) < PAGE_ROWS:
-                    break
-                after = page[-1].id
+            size = export_batch(
+                self.client.reader, batch.id, upload.write,
+                lambda info: json.dumps(output_line(line_kind, info), ensure_ascii=False),
+                succeeded=kind == "output", page_written=lease.renew)
         except BaseException:
             upload.discard()
             raise
         if not size:
             upload.discard()
+            if size is None:
+                return None
         else:
             upload.commit()
         return File(id=file_id, owner_id=batch.owner_id, purpose="batch_output",

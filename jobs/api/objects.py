@@ -6,11 +6,8 @@ from datetime import datetime
 from typing import Any
 
 from jobs.models import ApiBatch, File
-from jobs.schemas import JobStatus
+from jobs.schemas import BatchStatus, JobStatus
 from jobs.store.transitions import aware
-
-BATCH_STAMPS = ("created", "in_progress", "expires", "finalizing", "completed", "failed",
-                "expired", "cancelling", "cancelled")
 
 
 class ApiError(Exception):
@@ -44,21 +41,48 @@ def file_object(row: File) -> dict[str, Any]:
             "expires_at": None, "status_details": None}
 
 
+def openai_status(row: ApiBatch) -> str:
+    """OpenAI's status of a batch: its own (``BatchStatus``), but ``cancelling`` while a
+    cancelled batch has not ended, and ``finalizing`` while an ended one's files are being
+    written."""
+    status = BatchStatus(row.batch.status)
+    if not status.ended:
+        return "cancelling" if row.batch.cancel_requested_at is not None else status.value
+    if status is not BatchStatus.FAILED and row.files_at is None:
+        return "finalizing"
+    return status.value
+
+
+def _stamps(row: ApiBatch) -> dict[str, datetime | None]:
+    """OpenAI's ``<status>_at`` times, from the batch's own and its files'."""
+    batch, status = row.batch, BatchStatus(row.batch.status)
+    ended = batch.completed_at if status.ended else None
+    return {"created": batch.created_at, "in_progress": batch.started_at,
+            "expires": batch.deadline_at, "cancelling": batch.cancel_requested_at,
+            "failed": ended if status is BatchStatus.FAILED else None,
+            "finalizing": None if status is BatchStatus.FAILED else ended,
+            **{s.value: row.files_at if status is s else None
+               for s in (BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED)}}
+
+
 def request_counts(row: ApiBatch, counts: dict[JobStatus, int]) -> dict[str, int]:
-    """``total`` rows of the input, ``completed`` (succeeded) and ``failed`` (every other end:
-    failed, expired, cancelled)."""
+    """``total`` rows of the input (once validated), ``completed`` (succeeded) and ``failed``
+    (every other end: failed, expired, cancelled)."""
     done = sum(n for s, n in counts.items() if s.terminal)
     completed = counts.get(JobStatus.SUCCEEDED, 0)
-    return {"total": row.total, "completed": completed, "failed": done - completed}
+    validated = row.batch.status not in (BatchStatus.VALIDATING, BatchStatus.FAILED)
+    return {"total": row.batch.num_jobs if validated else 0, "completed": completed,
+            "failed": done - completed}
 
 
 def batch_object(row: ApiBatch, counts: dict[JobStatus, int]) -> dict[str, Any]:
     return {
-        "id": row.id, "object": "batch", "endpoint": row.endpoint, "model": row.model,
-        "errors": row.errors, "input_file_id": row.input_file_id,
-        "completion_window": row.completion_window, "status": row.status,
-        "output_file_id": row.output_file_id, "error_file_id": row.error_file_id,
-        **{f"{s}_at": unix(getattr(row, f"{s}_at")) for s in BATCH_STAMPS},
+        "id": row.id, "object": "batch", "endpoint": row.endpoint,
+        "model": row.batch.model or None, "errors": row.errors,
+        "input_file_id": row.input_file_id, "completion_window": row.completion_window,
+        "status": openai_status(row), "output_file_id": row.output_file_id,
+        "error_file_id": row.error_file_id,
+        **{f"{s}_at": unix(stamp) for s, stamp in _stamps(row).items()},
         "request_counts": request_counts(row, counts), "metadata": row.meta,
     }
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Collection
-from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, or_, select, update
 from sqlalchemy.orm import Session
 
-from jobs.models import ApiBatch, File
+from jobs.models import ApiBatch, Batch, File
+from jobs.schemas import BatchStatus
 from jobs.store import db_now
+from jobs.store.batches import fence_batch
+
+ACTIVE_BATCH = [BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value]
 
 Row = TypeVar("Row", File, ApiBatch)
 
@@ -33,7 +35,7 @@ class ApiRecords:
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
 
-    def add(self, row: Row) -> Row:
+    def add(self, row: File) -> File:
         """Insert ``row`` with the database's time as its ``created_at``."""
         with self.session() as session, session.begin():
             row.created_at = db_now(session)
@@ -70,72 +72,38 @@ class ApiRecords:
             session.delete(row)
         return True
 
-    def move(self, batch_id: str, before: Collection[str], after: str, *,
-             keep_lease: bool = False, **values: Any) -> ApiBatch | None:
-        """Move batch ``batch_id`` from one of ``before`` to ``after``, stamping
-        ``<after>_at`` and setting ``values``; the batch, or None if it was not in ``before``
-        (someone else moved it first). The lease ends, unless ``keep_lease``."""
+    def set_errors(self, batch_id: str, errors: dict[str, Any]) -> None:
+        """Record the line errors of a batch's input file (before it fails)."""
         with self.session() as session, session.begin():
-            stamp = {f"{after}_at": db_now(session)} if hasattr(ApiBatch, f"{after}_at") else {}
-            lease = {} if keep_lease else {"lease_holder": None, "lease_until": None}
-            moved = session.scalars(
-                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status.in_(before))
-                .values(status=after, **lease, **stamp, **values)
-                .returning(ApiBatch)).first()
-        return moved
+            session.execute(update(ApiBatch).where(ApiBatch.id == batch_id)
+                            .values(errors=errors))
 
-    def claim(self, batch_id: str, status: str, holder: str, lease_s: float) -> bool:
-        """Take batch ``batch_id`` (in ``status``) for ``holder`` for ``lease_s``, unless
-        another holder's lease is live."""
-        with self.session() as session, session.begin():
-            now = db_now(session)
-            claimed = session.execute(
-                update(ApiBatch).where(
-                    ApiBatch.id == batch_id, ApiBatch.status == status,
-                    or_(ApiBatch.lease_until.is_(None), ApiBatch.lease_until < now,
-                        ApiBatch.lease_holder == holder))
-                .values(lease_holder=holder, lease_until=now + timedelta(seconds=lease_s)))
-        return bool(claimed.rowcount)
-
-    def renew(self, batch_id: str, status: str, holder: str, lease_s: float) -> bool:
-        """Extend ``holder``'s lease on ``batch_id``; False once the batch left ``status`` or
-        the lease went to another holder."""
-        with self.session() as session, session.begin():
-            now = db_now(session)
-            renewed = session.execute(
-                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status == status,
-                                       ApiBatch.lease_holder == holder)
-                .values(lease_until=now + timedelta(seconds=lease_s)))
-        return bool(renewed.rowcount)
-
-    def release(self, batch_id: str, holder: str) -> None:
-        """End ``holder``'s lease on ``batch_id``, whatever its status."""
-        with self.session() as session, session.begin():
-            session.execute(update(ApiBatch).where(ApiBatch.id == batch_id,
-                                                   ApiBatch.lease_holder == holder)
-                            .values(lease_holder=None, lease_until=None))
-
-    def unfinished(self, statuses: Collection[str]) -> list[ApiBatch]:
-        """Batches in ``statuses`` (what the runner looks at each round), oldest first."""
+    def unfinished(self) -> list[ApiBatch]:
+        """What the runner looks at each round, oldest first: batches not ended, and ended
+        ones (but failed) whose files are not recorded yet."""
         with self.session() as session:
-            return list(session.scalars(select(ApiBatch).where(ApiBatch.status.in_(statuses))
-                                        .order_by(ApiBatch.id)))
+            return list(session.scalars(
+                select(ApiBatch).join(ApiBatch.batch)
+                .where(or_(Batch.status.in_(ACTIVE_BATCH),
+                           ApiBatch.files_at.is_(None) & (Batch.status != BatchStatus.FAILED)))
+                .order_by(ApiBatch.id)))
 
-    def finalize(self, batch_id: str, status: str, files: list[File]) -> ApiBatch | None:
-        """Insert a finalizing batch's output ``files`` and move it to ``status`` in one
-        transaction; None (nothing changed) if it is no longer finalizing."""
+    def record_files(self, batch_id: str, files: list[File], fence: int) -> bool:
+        """Insert an ended batch's output ``files`` and record them on the batch in one
+        transaction, if ``fence`` is still the batch lease's newest token; False (nothing
+        changed) if not, or if its files were recorded already."""
         with self.session() as session, session.begin():
+            if not fence_batch(session, batch_id, fence):
+                return False
             now = db_now(session)
             ids = {f.kind: f.id for f in files}
-            moved = session.scalars(
-                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.status == "finalizing")
-                .values(status=status, lease_holder=None, lease_until=None,
-                        output_file_id=ids.get("output"),
-                        error_file_id=ids.get("error"), **{f"{status}_at": now})
-                .returning(ApiBatch)).first()
-            if moved is None:
-                return None
+            recorded = session.execute(
+                update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.files_at.is_(None))
+                .values(files_at=now, output_file_id=ids.get("output"),
+                        error_file_id=ids.get("error")))
+            if recorded.rowcount != 1:
+                return False
             for f in files:
                 f.created_at = now
                 session.add(f)
-        return moved
+        return True

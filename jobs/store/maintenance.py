@@ -12,7 +12,7 @@ from sqlalchemy import Engine, delete, null, select, text, update
 from sqlalchemy.orm import Session
 
 from jobs.models import FED, Batch, Job, JobMetrics
-from jobs.schemas import BatchStatus, JobSpec, JobStatus
+from jobs.schemas import ENDED_BATCH, JobSpec, JobStatus
 from jobs.store.feed import parse_specs
 from jobs.store.transitions import ACTIVE, EXPIRED_ERROR, db_now, end_many, to_dt
 
@@ -86,44 +86,6 @@ class MaintenanceStore:
             return end_many(session, [(r.id, r.status, EXPIRED_ERROR[r.status]) for r in rows],
                             JobStatus.EXPIRED, now_s)
 
-    def expire_batches(self, now_s: float, limit: int = 1000,
-                       batch_id: str | None = None) -> dict[str, list[tuple[str, str]]]:
-        """Batches still in progress whose deadline passed become ``expired`` with every active
-        job in them. ``limit`` jobs per transaction; the batch's status changes in the
-        transaction that expires its last active jobs, so a crash midway leaves it in progress
-        (and past its deadline: the next run carries on). Returns batch id -> (job id, status
-        before). ``batch_id`` limits it to that batch."""
-        query = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS,
-                                       Batch.deadline_at.is_not(None),
-                                       Batch.deadline_at <= to_dt(now_s))
-        if batch_id is not None:
-            query = query.where(Batch.id == batch_id)
-        with Session(self.engine) as session:
-            due_ids = session.scalars(query).all()
-        expired: dict[str, list[tuple[str, str]]] = {}
-        for due_id in due_ids:
-            done: list[tuple[str, str]] = []
-            while True:
-                with Session(self.engine) as session, session.begin():
-                    rows = session.execute(
-                        select(Job.id, Job.status)
-                        .where(Job.batch_id == due_id, Job.status.in_(ACTIVE))
-                        .order_by(Job.id).limit(limit).with_for_update()
-                    ).all()
-                    done += end_many(session, [(r.id, r.status, "batch deadline passed")
-                                               for r in rows], JobStatus.EXPIRED, now_s)
-                    if len(rows) < limit:
-                        res = session.execute(
-                            update(Batch)
-                            .where(Batch.id == due_id,
-                                   Batch.status == BatchStatus.IN_PROGRESS)
-                            .values(status=BatchStatus.EXPIRED, completed_at=to_dt(now_s))
-                        )
-                        if res.rowcount == 1:
-                            expired[due_id] = done
-                        break
-        return expired
-
     def reap_overdelivered(self, max_deliveries: int, live_workers: Callable[[], set[str]],
                            now_s: float, limit: int = 1000,
                            after_id: str = "") -> tuple[list[tuple[str, str, int]], str | None]:
@@ -191,7 +153,7 @@ class MaintenanceStore:
                 session.execute(delete(Job).where(Job.id.in_(ids)))
             session.execute(
                 delete(Batch).where(
-                    Batch.status != BatchStatus.IN_PROGRESS, Batch.notified_at.is_not(None),
+                    Batch.status.in_(ENDED_BATCH), Batch.notified_at.is_not(None),
                     Batch.completed_at < to_dt(finished_before_s),
                     ~select(Job.id).where(Job.batch_id == Batch.id).exists(),
                 )

@@ -11,8 +11,10 @@ from sqlalchemy import Engine, insert, select, text, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from jobs.lease import LeaseLost
 from jobs.models import Batch, Job
 from jobs.schemas import JobSpec, JobStatus, Outcome
+from jobs.store.batches import fence_batch
 from jobs.store.transitions import ACTIVE, db_now, end_many, terminalize
 
 CANCELLED_UNRUN = "cancelled before it started"
@@ -25,23 +27,28 @@ class ProducerStore:
         self.engine = engine
 
     def insert_jobs(self, specs: Sequence[JobSpec], *, webhook_url: str | None = None,
-                    deadline: datetime | None = None, fed: Collection[str] = ()) -> None:
-        """Insert ``specs`` as queued jobs in one transaction, creating missing batch rows with
-        ``webhook_url`` and ``deadline``: a batch's settings are those of the submission that
-        created it (an existing batch keeps its own). Jobs of the models in ``fed`` are marked
-        fed (the caller adds them to their streams); the others join the backlog
-        (``jobs.feed``)."""
+                    deadline: datetime | None = None, fed: Collection[str] = (),
+                    fence: int | None = None) -> None:
+        """Insert ``specs`` as queued jobs in one transaction, creating missing batch rows
+        (``in_progress``) with ``webhook_url`` and ``deadline``: a batch's settings are those of
+        the submission that created it (an existing batch keeps its own). Jobs of the models in
+        ``fed`` are marked fed (the caller adds them to their streams); the others join the
+        backlog (``jobs.feed``). With ``fence`` (a token of the batches' lease) nothing is
+        stored unless it is their newest: ``LeaseLost`` otherwise."""
         if not specs:
             return
         with Session(self.engine) as session, session.begin():
             now = db_now(session)
             batch_ids = {s.batch_id for s in specs if s.batch_id is not None}
+            if fence is not None and not all(fence_batch(session, b, fence) for b in batch_ids):
+                raise LeaseLost(f"batch lease token {fence} is not the newest")
             if batch_ids:
                 known = set(session.scalars(select(Batch.id).where(Batch.id.in_(batch_ids))))
                 for batch_id in sorted(batch_ids - known):
                     first = next(s for s in specs if s.batch_id == batch_id)
                     session.add(Batch(id=batch_id, model=first.model, meta={},
-                                      created_at=now, num_jobs=0, webhook_url=webhook_url,
+                                      created_at=now, started_at=now, num_jobs=0,
+                                      webhook_url=webhook_url,
                                       deadline_at=_aware_utc(deadline)))
                 session.flush()
                 for batch_id in batch_ids:

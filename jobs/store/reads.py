@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import DateTime, Engine, bindparam, func, select, text
+from sqlalchemy import DateTime, Engine, bindparam, func, select, text, true
 from sqlalchemy.orm import Session, defer
 
 from jobs.models import Batch, Job, JobMetrics
@@ -54,12 +54,14 @@ class JobReader:
             ).all()
         return [_info(job, metrics) for job, metrics in rows]
 
-    def batch_page(self, batch_id: str, *, succeeded: bool, after: str = "",
+    def batch_page(self, batch_id: str, *, succeeded: bool | None = None, after: str = "",
                    limit: int = 500) -> list[JobInfo]:
-        """A page of ``batch_id``'s terminal jobs that succeeded (or, with ``succeeded``
-        False, that did not), in id order after ``after``: what output files are made of."""
+        """A page of ``batch_id``'s jobs in id order after ``after``: all of them, or with
+        ``succeeded`` the terminal ones that succeeded (True) or did not (False): what exports
+        are made of."""
         wanted = (Job.status == JobStatus.SUCCEEDED.value if succeeded else
-                  Job.status.in_([s.value for s in TERMINAL_STATUSES - {JobStatus.SUCCEEDED}]))
+                  Job.status.in_([s.value for s in TERMINAL_STATUSES - {JobStatus.SUCCEEDED}])
+                  if succeeded is not None else true())
         with Session(self.engine) as session:
             rows = session.execute(
                 select(Job, JobMetrics).options(defer(Job.spec))
@@ -102,14 +104,6 @@ class JobReader:
                 select(Batch.webhook_url, Batch.deadline_at).where(Batch.id == batch_id)
             ).first()
         return None if row is None else (row.webhook_url, aware(row.deadline_at))
-
-    def batch_job_ids(self, batch_id: str, after: str = "", limit: int = 500) -> list[str]:
-        """A page of the ids of ``batch_id``'s jobs, in id order, after ``after``."""
-        with Session(self.engine) as session:
-            return list(session.scalars(
-                select(Job.id).where(Job.batch_id == batch_id, Job.id > after)
-                .order_by(Job.id).limit(limit)
-            ))
 
     def terminal_ids(self, job_ids: Sequence[str], chunk: int = 1000) -> set[str]:
         """Which of ``job_ids`` are terminal (one query per ``chunk`` ids)."""

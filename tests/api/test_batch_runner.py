@@ -1,6 +1,7 @@
 """The batch runner without the HTTP layer: a validation pass cut off midway (the process
 died) is finished by the next process once the lease runs out, without submitting a row
-twice; a live lease keeps a second process away; a batch cancelled while its rows are being
+twice; a live lease keeps a second process away, and the first holder's writes are refused once
+the second took over (fencing); a batch cancelled while its rows are being
 stored ends with every stored row cancelled; an over-long line is an error of its own."""
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import pytest
 from services import jsonl, wait_until
 from sqlalchemy import Engine
 
-from jobs.api.batches import CHUNK_ROWS, BatchRunner, Status
+from jobs.api.batches import CHUNK_ROWS, BatchRunner
 from jobs.api.keys import KeyStore
+from jobs.api.objects import openai_status
 from jobs.api.records import ApiRecords
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import DirectoryStorage
 from jobs.client import JobClient
+from jobs.lease import LeaseLost
 from jobs.models import ApiBatch, File
 
 ROWS = 2 * CHUNK_ROWS + 500
@@ -90,23 +93,30 @@ def test_validation_cut_off_is_resumed_without_duplicates(services: dict[str, st
     first = _runner(services, HookStorage(tmp_path / "files", CHUNK_ROWS + 700, _die))
     _write_input(first, owner, ROWS)
     batch = first.create(owner, "file-input", "/v1/chat/completions", "24h", None)
-    assert first.records.claim(batch.id, Status.VALIDATING, first.holder, 0.5)
+    lease = first.lease(batch.id)
+    assert lease.acquire() and lease.token is not None
+    assert first.batches.fence(batch.id, lease.token)
     with pytest.raises(Crash):
-        first._validate(batch.id)
+        first._validate(batch, lease)
     stored = {cid: job_id for job_id, cid, _ in first.client.batch_jobs(batch.id)}
     assert len(stored) == CHUNK_ROWS  # one chunk made it before the crash
 
     second = _runner(services, DirectoryStorage(tmp_path / "files"))
-    assert not second.records.claim(batch.id, Status.VALIDATING, second.holder, 0.5)
+    assert not second.lease(batch.id).acquire()
     row = wait_until(lambda: second.records.get(ApiBatch, owner, batch.id), 5)
-    wait_until(lambda: second.advance(row) or second.records.get(
-        ApiBatch, owner, batch.id).status == Status.IN_PROGRESS, 10, 0.2,  # type: ignore[union-attr]
-        what="the batch in progress")
+    wait_until(lambda: second.advance(row) or openai_status(second.records.get(  # type: ignore[arg-type]
+        ApiBatch, owner, batch.id)) == "in_progress", 10, 0.2, what="the batch in progress")
     jobs = {cid: job_id for job_id, cid, _ in second.client.batch_jobs(batch.id)}
     assert len(jobs) == ROWS
     assert all(jobs[cid] == job_id for cid, job_id in stored.items())  # kept, not redone
     done = second.records.get(ApiBatch, owner, batch.id)
-    assert done is not None and done.total == ROWS and done.model == "tiny"
+    assert done is not None and done.batch.num_jobs == ROWS and done.batch.model == "tiny"
+    # the first holder, back from its stall, stores nothing more
+    late = next(spec for _, spec in first._specs(done, None))
+    with pytest.raises(LeaseLost):
+        first.client.store([late.model_copy(update={"custom_id": "late"})],
+                           fence=lease.token)
+    assert len(second.client.batch_jobs(batch.id)) == ROWS
     for runner in (first, second):
         runner.stop()
         runner.client.close()
@@ -123,14 +133,14 @@ def test_cancel_while_rows_are_stored_leaves_none_to_run(services: dict[str, str
     _write_input(runner, owner, ROWS)
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
     batch_ids.append(batch.id)
-    runner._leased(batch.id, Status.VALIDATING, runner._validate)  # cancelled at line 1,500
+    runner._leased(batch.id, runner._validate)  # cancelled at line 1,500
     row = runner.records.get(ApiBatch, owner, batch.id)
-    assert row is not None and row.status == Status.CANCELLING
+    assert row is not None and openai_status(row) == "cancelling"
     # the chunk that was being read when the cancel came was stored after it: it is cancelled
     # too before the batch ends
     wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               or runner.records.get(ApiBatch, owner, batch.id).status  # type: ignore[union-attr]
-               == Status.CANCELLED, 10, 0.2, what="the batch cancelled")
+               or openai_status(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
+               == "cancelled", 10, 0.2, what="the batch cancelled")
     jobs = runner.client.batch_jobs(batch.id)
     assert len(jobs) == 2 * CHUNK_ROWS
     assert {status.value for _, _, status in jobs} == {"cancelled"}
@@ -146,9 +156,9 @@ def test_a_line_over_the_request_limit_is_reported_not_read_whole(services: dict
     _write_input(runner, owner, 3, extra=b'{"custom_id": "' + b"x" * (2 << 20) + b'"}\n'
                  + b'{"custom_id": "r0"}\n')
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
-    runner._leased(batch.id, Status.VALIDATING, runner._validate)
+    runner._leased(batch.id, runner._validate)
     row = runner.records.get(ApiBatch, owner, batch.id)
-    assert row is not None and row.status == Status.FAILED
+    assert row is not None and openai_status(row) == "failed"
     errors = {e["line"]: e for e in row.errors["data"]}
     assert sorted(errors) == [4, 5]
     assert "byte limit" in errors[4]["message"] and errors[5]["param"] == "url"
@@ -164,18 +174,17 @@ def test_a_batch_past_its_window_ends_expired_with_an_error_file(services: dict[
     runner = _runner(services, DirectoryStorage(tmp_path / "files"))
     _write_input(runner, owner, 4)
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "1h", None)
-    runner._leased(batch.id, Status.VALIDATING, runner._validate)
+    runner._leased(batch.id, runner._validate)
     with engine.begin() as conn:  # an hour later, no worker having run anything
-        for table, column in (("api_batches", "expires_at"), ("batches", "deadline_at"),
-                              ("jobs", "deadline_at")):
+        for table, column in (("batches", "deadline_at"), ("jobs", "deadline_at")):
             key = "batch_id" if table == "jobs" else "id"
             conn.exec_driver_sql(f"UPDATE {table} SET {column} = {column} - interval '2 hours' "
                                  f"WHERE {key} = %(b)s", {"b": batch.id})
     wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               or runner.records.get(ApiBatch, owner, batch.id).status  # type: ignore[union-attr]
-               == Status.EXPIRED, 10, 0.2, what="the batch expired")
+               or openai_status(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
+               == "expired", 10, 0.2, what="the batch expired")
     row = runner.records.get(ApiBatch, owner, batch.id)
-    assert row is not None and row.expired_at is not None and row.output_file_id is None
+    assert row is not None and row.files_at is not None and row.output_file_id is None
     assert row.error_file_id is not None
     lines = jsonl(runner.storage.open(row.error_file_id).read().decode())
     assert sorted(x["custom_id"] for x in lines) == ["r0", "r1", "r2", "r3"]

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jobs.export import export_batch
 from jobs.store import BatchState, JobReader
-
-EXPORT_CHUNK = 500
 
 
 def event(reader: JobReader, batch: BatchState, results_path: str | None) -> dict[str, Any]:
@@ -29,9 +28,10 @@ def event(reader: JobReader, batch: BatchState, results_path: str | None) -> dic
 
 
 def export_results(reader: JobReader, batch_id: str, export_dir: str) -> str:
-    """Write every job of the batch (as ``JobInfo`` JSON, one per line, by job id) to
-    ``<export_dir>/<batch_id>.jsonl``; the file appears complete or not at all, and only
-    inside ``export_dir`` (``ValueError`` otherwise; a symlink in the way is an ``OSError``)."""
+    """Write every job of the batch (as ``JobInfo`` JSON, one per line, by job id;
+    ``jobs.export``) to ``<export_dir>/<batch_id>.jsonl``; the file appears complete or not at
+    all, and only inside ``export_dir`` (``ValueError`` otherwise; a symlink in the way is an
+    ``OSError``)."""
     directory = Path(export_dir)
     directory.mkdir(parents=True, exist_ok=True)
     directory = directory.resolve()
@@ -41,16 +41,9 @@ def export_results(reader: JobReader, batch_id: str, export_dir: str) -> str:
     if path.parent != directory:
         raise ValueError(f"batch id {batch_id!r} would be exported outside {directory}")
     tmp = path.with_name(path.name + ".tmp")
-    last = ""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-    with os.fdopen(os.open(tmp, flags, 0o640), "w", encoding="utf-8") as out:
-        while True:
-            ids = reader.batch_job_ids(batch_id, after=last, limit=EXPORT_CHUNK)
-            for info in sorted(reader.get_many(ids), key=lambda i: i.id):
-                out.write(info.model_dump_json() + "\n")
-            if len(ids) < EXPORT_CHUNK:
-                break
-            last = ids[-1]
+    with os.fdopen(os.open(tmp, flags, 0o640), "wb") as out:
+        export_batch(reader, batch_id, out.write, lambda info: info.model_dump_json())
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)

@@ -19,8 +19,8 @@ from sqlalchemy import Engine
 
 from jobs.constants import DONE_MARKER_TTL_S, FIELD_ID, FIELD_JOB, FIELD_REASON, Keys
 from jobs.db import make_engine
-from jobs.queue import DEAD_LETTER_MAXLEN, JobQueue, signal_cancel
-from jobs.schemas import BatchStatus, JobStatus, encode_job
+from jobs.queue import DEAD_LETTER_MAXLEN, JobQueue, announce_ended
+from jobs.schemas import JobStatus, encode_job
 from jobs.store import BatchStore, JobReader, MaintenanceStore
 from worker.control import batches
 from worker.control.settings import ControlSettings
@@ -72,18 +72,14 @@ def expire_deadlines(svc: Services, now_s: float) -> dict[str, Any]:
     """Expire batches past their deadline (with their active jobs), then any job past its own.
     Running jobs expired here get a cancel signal, so a live worker frees their KV blocks."""
     s = svc.settings
-    by_batch = svc.maintenance.expire_batches(now_s, s.page_size)
+    by_batch = svc.batches.expire_batches(now_s, s.page_size)
     jobs = [job for expired in by_batch.values() for job in expired]
     while page := svc.maintenance.expire_past_deadline(
             now_s, running_grace_s=s.running_deadline_grace_s, limit=s.page_size):
         jobs += page
         if len(page) < s.page_size:
             break
-    # Announce first: publishing a job's end clears its cancel marker.
-    svc.publish_done([(job_id, JobStatus.EXPIRED.value) for job_id, _ in jobs])
-    for job_id, before in jobs:
-        if before == JobStatus.RUNNING.value:
-            signal_cancel(svc.redis, svc.keys, job_id)
+    announce_ended(svc.redis, svc.keys, JobStatus.EXPIRED, jobs)
     if jobs or by_batch:
         log.info("expired %d batches and %d jobs", len(by_batch), len(jobs))
     return {"batches": sorted(by_batch), "jobs": sorted(job_id for job_id, _ in jobs)}
@@ -109,7 +105,7 @@ def finalize_batch(svc: Services, batch_id: str, now_s: float) -> str:
     webhook that still fails is given up."""
     s = svc.settings
     batch = svc.batches.load(batch_id)
-    if batch is None or batch.status is BatchStatus.IN_PROGRESS or batch.notified_at is not None:
+    if batch is None or not batch.status.ended or batch.notified_at is not None:
         return "skipped"
     if batch.webhook_next_at is not None and batch.webhook_next_at.timestamp() > now_s:
         return "skipped"
