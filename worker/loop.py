@@ -124,8 +124,8 @@ class Worker:
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
                                    s.window)
         self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.database)),
-                                   MaintenanceStore(self.database), self.worker_id,
-                                   s.reconcile_interval_s, s.reconcile_grace_s, self.metrics)
+                                   MaintenanceStore(self.database), s.reconcile_interval_s,
+                                   s.reconcile_grace_s, self.metrics)
         self.limits = JobLimits()
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
                              self.metrics, self.limits, worker_id=self.worker_id,

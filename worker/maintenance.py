@@ -12,6 +12,7 @@ import redis
 from sqlalchemy.exc import SQLAlchemyError
 
 from jobs.feed import Feeder
+from jobs.lease import Lease
 from jobs.reconcile import reconcile
 from jobs.schemas import JobStatus
 from jobs.store import MaintenanceStore
@@ -32,9 +33,9 @@ class UpkeepThread:
     :data:`BACKLOG_INTERVAL_S` (and once at start) counts the SQL backlog for the
     ``queue_backlog`` gauge."""
 
-    def __init__(self, feeder: Feeder, store: MaintenanceStore, worker_id: str,
-                 reconcile_interval_s: float, grace_s: float, metrics: WorkerMetrics) -> None:
-        self.feeder, self.store, self.worker_id = feeder, store, worker_id
+    def __init__(self, feeder: Feeder, store: MaintenanceStore, reconcile_interval_s: float,
+                 grace_s: float, metrics: WorkerMetrics) -> None:
+        self.feeder, self.store = feeder, store
         self.queue = feeder.queue
         self.interval_s, self.grace_s = reconcile_interval_s, grace_s
         self.metrics = metrics
@@ -54,9 +55,9 @@ class UpkeepThread:
         self._wake.set()
 
     def reconcile_once(self) -> None:
-        lock = self.queue.client.set(self.queue.keys.reconcile_lock(self.queue.model),
-                                     self.worker_id, nx=True, px=int(self.interval_s * 1000))
-        if not lock:
+        # Held for the interval, not released: one pass per interval over all the workers.
+        if not Lease(self.queue.client, self.queue.keys.reconcile_lock(self.queue.model),
+                     self.interval_s).acquire():
             return
         report = reconcile(self.store, self.queue, self.grace_s)
         for _ in report.expired:

@@ -26,7 +26,6 @@ from typing import Any
 from celery import Celery, signals
 
 from worker.control import ops
-from worker.control.locks import held
 from worker.control.settings import ControlSettings
 
 QUEUE = "control"
@@ -100,7 +99,7 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
     def exclusive(name: str, fn: Callable[[ops.Services], Any]) -> Any:
         # One run at a time across replicas; a run that finds the lock taken has nothing to do.
         svc = services.get()
-        with held(svc.redis, svc.keys.control_lock(name), svc.settings.task_lock_ttl_s) as mine:
+        with svc.lease(name).kept() as mine:
             return fn(svc) if mine else {"skipped": "another run holds the lock"}
 
     @app.task(name=TASK_PREFIX + "expire_deadlines", shared=False)
@@ -112,8 +111,7 @@ def _register_tasks(app: Celery, services: _LazyServices) -> None:
         # finalize_batches lists the batch again every interval until it is finalized; the
         # lock (renewed however long the export or the POST takes) lets one run through.
         svc = services.get()
-        lock_name = svc.keys.control_lock(f"batch:{batch_id}")
-        with held(svc.redis, lock_name, svc.settings.task_lock_ttl_s) as mine:
+        with svc.lease(f"batch:{batch_id}").kept() as mine:
             return ops.finalize_batch(svc, batch_id, time.time()) if mine else "skipped"
 
     @app.task(name=TASK_PREFIX + "finalize_batches", shared=False)

@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 
 from jobs.constants import DONE_MARKER_TTL_S, FIELD_ID, FIELD_JOB, FIELD_REASON, Keys
 from jobs.db import make_engine
+from jobs.lease import Lease
 from jobs.queue import DEAD_LETTER_MAXLEN, JobQueue, announce_ended
 from jobs.schemas import JobStatus, encode_job
 from jobs.store import BatchStore, JobReader, MaintenanceStore
@@ -46,6 +47,11 @@ class Services:
                    redis.Redis.from_url(settings.redis_url, decode_responses=True),
                    Keys(settings.key_prefix),
                    threading.BoundedSemaphore(settings.webhook_concurrency))
+
+    def lease(self, name: str) -> Lease:
+        """The lease of task ``name`` (``jobs.lease``): one run at a time across replicas;
+        the tasks are idempotent, so a stalled holder needs no fencing."""
+        return Lease(self.redis, self.keys.control_lock(name), self.settings.task_lock_ttl_s)
 
     @property
     def maintenance(self) -> MaintenanceStore:
