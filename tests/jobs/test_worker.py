@@ -10,6 +10,7 @@ import redis
 import sqlalchemy as sa
 from prometheus_client import generate_latest
 from services import all_roles_store
+from worker_harness import RunningWorker, worker_settings
 
 from jobs.client import JobClient
 from jobs.constants import FIELD_ID, FIELD_JOB, Keys
@@ -70,20 +71,38 @@ def test_200_jobs_end_to_end(redis_client: redis.Redis, keys: Keys, pg_engine: s
 
 
 def test_pull_never_exceeds_free_capacity(redis_client: redis.Redis, keys: Keys,
-                                          pg_engine: sa.Engine, start_worker,
-                                          wait_for) -> None:  # type: ignore[no-untyped-def]
+                                          pg_engine: sa.Engine, pg_url: str,
+                                          tiny_model: str) -> None:
+    from worker.loop import Worker
+    from worker.main import build_engine
+
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([_long(i, max_tokens=200) for i in range(30)])
-    running = start_worker(max_num_seqs=4, waiting_buffer=2)
-    q = JobQueue(redis_client, MODEL, keys)
-    peak = 0
-    while SQL(client.engine).count_by_status(model=MODEL).get(JobStatus.SUCCEEDED, 0) < 30:
-        _, pending = q.depth()
-        peak = max(peak, pending)
-        assert len(running.worker.held) <= 6 and pending <= 6
-        time.sleep(0.01)
-    assert peak >= 4  # the engine was kept full
-    assert all(i.status is JobStatus.SUCCEEDED for i in client.get_many(ids))
+    settings = worker_settings(tiny_model, keys, pg_url, max_num_seqs=4, waiting_buffer=2)
+    worker = Worker(settings, build_engine(settings), database=pg_engine)
+    assert settings.capacity == 6
+    # Checked on the worker's thread, right after each pull: held jobs and undecided
+    # deliveries change only on that thread, and unsaved results only shrink meanwhile (the
+    # writer stores them), so what is read there is what the pull left the worker holding.
+    # (XPENDING read from here would also count stored results whose ack is on its way.)
+    pulls: list[tuple[int, int, int]] = []  # (asked, pulled, held + undecided + unsaved)
+    pull = worker.intake.pull
+
+    def checked_pull(now: float, count: int, held, idle: bool) -> int:  # type: ignore[no-untyped-def]
+        n = pull(now, count, held, idle)
+        pulls.append((count, n, len(worker.held) + len(worker.intake) + len(worker.results)))
+        return n
+
+    worker.intake.pull = checked_pull  # type: ignore[method-assign]
+    running = RunningWorker(worker)
+    try:
+        infos = client.wait(ids, timeout_s=240)
+    finally:
+        running.stop(drain=False)
+    assert all(i.status is JobStatus.SUCCEEDED for i in infos)
+    assert pulls and all(n <= asked for asked, n, _ in pulls), pulls
+    assert max(holding for _, _, holding in pulls) <= settings.capacity, pulls
+    assert max(holding for _, _, holding in pulls) >= 4  # the engine was kept full
 
 
 def test_bad_jobs_fail_alone_with_readable_errors(
