@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from services import all_roles_store, jsonl
+from transformers import AutoTokenizer
 
 from jobs.feed import MIN_WINDOW
 from jobs.queue import JobQueue
@@ -25,6 +26,7 @@ from worker.cli import main
 SQL = all_roles_store()
 
 MODEL = "tiny"
+BLOCK = 8  # tokens per KV block of the workers here
 SYSTEM = "You are a terse assistant; every job of this batch shares this system prompt. " * 2
 
 
@@ -42,18 +44,16 @@ def _jobs_of(client: Client, batch_id: str) -> list[tuple[str | None, int]]:
 def test_thousand_row_batch(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
     rows = [{"custom_id": f"row-{i}", "messages": [{"role": "user", "content": f"item {i}"}]}
             for i in range(1000)]
-    t0 = time.monotonic()
     batch = client.submit_batch(rows, batch_id="big", system_prompt=SYSTEM, max_tokens=3,
                                 temperature=0.0)
-    submit_s = time.monotonic() - t0
     assert batch.counts().queued == 1000 and len(batch.job_ids) == 1000
     start_worker()
     seen = []
     for info in batch.results(timeout_s=240):
         seen.append(info)
-        if len(seen) == 500:  # live counts mid-way
+        if len(seen) == 500:  # live counts mid-way (the rest may have finished meanwhile)
             counts = batch.counts()
-            assert counts.total == 1000 and 500 <= counts.done < 1000
+            assert counts.total == 1000 and 500 <= counts.done <= 1000
     assert Counter(i.custom_id for i in seen) == Counter(r["custom_id"] for r in rows)
     assert all(i.status is JobStatus.SUCCEEDED for i in seen)
     finished = [i.finished_at for i in seen]
@@ -69,7 +69,6 @@ def test_thousand_row_batch(client: Client, start_worker) -> None:  # type: igno
     assert stats.generated_tokens == sum(i.result.usage.completion_tokens for i in seen)
     assert stats.prefix_cache_hit_rate > 0.5  # the shared system prompt is computed once-ish
     assert stats.e2e_s["p50"] <= stats.e2e_s["p99"] and stats.peak_kv_bytes > 0
-    assert submit_s < 30, f"submitting 1000 rows took {submit_s:.1f} s"
 
 
 def test_cli_resume_after_kill(tmp_path: Path, client: Client, start_worker,  # type: ignore[no-untyped-def]
@@ -112,7 +111,8 @@ def test_cli_resume_after_kill(tmp_path: Path, client: Client, start_worker,  # 
 
 
 def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  # type: ignore[no-untyped-def]
-                                 cli_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+                                 cli_args: list[str], capsys: pytest.CaptureFixture[str],
+                                 tiny_model: str) -> None:
     chat = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": "gpt-4o-mini", "max_tokens": 5,
                       "messages": [{"role": "user", "content": f"question {i}"}]}}
@@ -141,7 +141,7 @@ def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  
     data.write_text("".join(json.dumps(r) + "\n" for r in chat + completion + bad))
     assert client.jobs.count_by_status() == {}
     # By default the bad rows get OpenAI's request-error lines and the others run.
-    start_worker()
+    start_worker(block_size=BLOCK)
     assert main(submit) == 0
     lines = {line["custom_id"]: line for line in _lines(out)}
     assert sorted(lines) == sorted(r["custom_id"] for r in chat + completion)
@@ -162,9 +162,17 @@ def test_cli_openai_batch_format(tmp_path: Path, client: Client, start_worker,  
         usage = body["usage"]
         assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert 0 < usage["completion_tokens"] <= 5
-    cached = sum(lines[f"chat-{i}"]["response"]["body"]["usage"]["prompt_tokens_details"]
-                 ["cached_tokens"] for i in range(6))
-    assert cached >= 0
+    cached = sorted(lines[f"chat-{i}"]["response"]["body"]["usage"]["prompt_tokens_details"]
+                    ["cached_tokens"] for i in range(6))
+    # The chat rows share the system turn and "question ": whichever computes it first, the
+    # other five read its full blocks from the cache.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question {i}"}],
+        add_generation_prompt=True, tokenize=False), add_special_tokens=False) for i in (0, 1)]
+    shared = next(n for n, (x, y) in enumerate(zip(*prompts, strict=False)) if x != y)
+    assert shared >= BLOCK
+    assert cached == [0] + [shared // BLOCK * BLOCK] * 5
     body = lines["cmpl-0"]["response"]["body"]
     assert body["object"] == "text_completion" and isinstance(body["choices"][0]["text"], str)
     # The system prompt reached the chat rows (and not the completion row: raw text).
