@@ -30,6 +30,19 @@ class ConnectionSettings(BaseSettings):
                                                             "deployment")
 
 
+class DeploymentModels(BaseSettings):
+    """``KVBATCH_MODELS``: the models the deployment serves, a JSON list of served model names
+    (``'["smollm2-135m-instruct"]'``). ``kvbatch serve`` accepts batches for them whether or not
+    a worker is up at that moment (workers scale from zero), and a worker refuses to serve a
+    model outside them. Unset, the API takes the default model and those of live workers, and
+    workers serve any."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True)
+
+    models: list[str] = Field(default_factory=list, description="the models the deployment "
+                                                                "serves")
+
+
 def connection_settings(redis_url: str | None = None, database_url: str | None = None,
                         key_prefix: str | None = None) -> ConnectionSettings:
     """Explicit values, else the ``KVBATCH_*`` environment, else the defaults."""

@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from engine.config import EngineConfig
 from jobs.constants import DEFAULT_MAX_DELIVERIES
 from jobs.schemas import MODEL_NAME_PATTERN
-from jobs.settings import ENV_PREFIX, ConnectionSettings
+from jobs.settings import ENV_PREFIX, ConnectionSettings, DeploymentModels
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # worker processes' logs
 
@@ -107,6 +107,11 @@ class WorkerSettings(ConnectionSettings):
         if not re.fullmatch(MODEL_NAME_PATTERN, self.model_name):
             raise ValueError(f"served model name {self.model_name!r} is not one jobs can name "
                              f"({MODEL_NAME_PATTERN}); give --served-model-name")
+        served = DeploymentModels().models
+        if served and self.model_name not in served:
+            raise ValueError(f"served model name {self.model_name!r} is not one the "
+                             f"deployment serves (KVBATCH_MODELS: {', '.join(served)}); add it "
+                             "there or give --served-model-name")
         return self
 
     @property

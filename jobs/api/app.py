@@ -9,7 +9,7 @@ content of files reach the logs (uvicorn's access log shows methods, paths and s
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -103,15 +103,16 @@ def owner(request: Request) -> str:
 Owner = Annotated[str, Depends(owner)]
 
 
-def create_app(settings: ApiSettings, conn: ConnectionSettings) -> FastAPI:
-    """The application on the queue and database of ``conn``; its batch runner thread runs
-    while the application does."""
+def create_app(settings: ApiSettings, conn: ConnectionSettings,
+               models: Sequence[str]) -> FastAPI:
+    """The application on the queue and database of ``conn``, for the deployment's ``models``
+    (``KVBATCH_MODELS``); its batch runner thread runs while the application does."""
     client = JobClient(database=conn.database_url, redis_url=conn.redis_url,
                        key_prefix=conn.key_prefix)
     records = ApiRecords(client.engine)
     keys = KeyStore(client.engine)
     storage = DirectoryStorage(settings.files_dir)
-    runner = BatchRunner(client, records, storage, settings)
+    runner = BatchRunner(client, records, storage, settings, models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -28,7 +28,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -86,9 +86,10 @@ class BatchRunner:
     """Creates and cancels batches, and moves them along (:meth:`run`, in a thread)."""
 
     def __init__(self, client: JobClient, records: ApiRecords, storage: FileStorage,
-                 settings: ApiSettings) -> None:
+                 settings: ApiSettings, models: Sequence[str]) -> None:
         self.client, self.records, self.storage, self.settings = (
             client, records, storage, settings)
+        self.models = frozenset(models)  # the deployment's (KVBATCH_MODELS)
         self.batches = client.batches
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="batch")
         self._busy: set[str] = set()
@@ -99,8 +100,9 @@ class BatchRunner:
     # -- requests --------------------------------------------------------------------------
 
     def served_models(self) -> list[str]:
-        """The models batches may name: the configured ones and those of live workers."""
-        return sorted(set(self.settings.models) | self.client.served_models())
+        """The models batches may name: the deployment's, whether or not a worker is up, and
+        those of live workers."""
+        return sorted(self.models | self.client.served_models())
 
     def create(self, owner: str, input_file_id: str, endpoint: str, completion_window: str,
                metadata: dict[str, str] | None) -> ApiBatch:

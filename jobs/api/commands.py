@@ -7,7 +7,8 @@ import logging
 
 from jobs.api.settings import ApiSettings
 from jobs.commands import connection_arguments, database_url_argument
-from jobs.settings import connection_settings
+from jobs.constants import DEFAULT_MODEL
+from jobs.settings import DeploymentModels, connection_settings
 from jobs.tables import format_table, printable
 
 
@@ -26,8 +27,9 @@ def add_api_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
                                                             "$KVBATCH_API_MAX_UPLOAD_BYTES, "
                                                             "else 512 MiB)")
     serve.add_argument("--model", action="append", dest="models",
-                       help="a model batches may name besides those of live workers "
-                            "(repeatable; default $KVBATCH_API_MODELS, else the default model)")
+                       help="a model the deployment serves, which batches may name whether or "
+                            "not a worker is up (repeatable; default $KVBATCH_MODELS, else the "
+                            "default model; those of live workers are accepted too)")
     connection_arguments(serve)
     serve.set_defaults(func=_serve)
 
@@ -45,13 +47,14 @@ def _serve(args: argparse.Namespace) -> int:
     from jobs.db import check_schema
 
     given = {"host": args.host, "port": args.port, "files_dir": args.files_dir,
-             "max_upload_bytes": args.max_upload_bytes, "models": args.models}
+             "max_upload_bytes": args.max_upload_bytes}
     settings = ApiSettings(**{k: v for k, v in given.items() if v is not None})
     conn = connection_settings(args.redis_url, args.database_url, args.key_prefix)
     check_schema(conn.database_url)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings, conn), host=settings.host, port=settings.port,
+    models = args.models or DeploymentModels().models or [DEFAULT_MODEL]
+    uvicorn.run(create_app(settings, conn, models), host=settings.host, port=settings.port,
                 log_level="info", proxy_headers=False)
     return 0
 

@@ -7,7 +7,6 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from jobs.constants import DEFAULT_MODEL
 from jobs.settings import ENV_PREFIX
 
 API_ENV_PREFIX = f"{ENV_PREFIX}API_"
@@ -27,9 +26,6 @@ class ApiSettings(BaseSettings):
                                                                  "it)")
     max_requests_per_batch: int = Field(1_000_000, gt=0, description="most lines in a batch's "
                                                                      "input file")
-    models: list[str] = Field(default_factory=lambda: [DEFAULT_MODEL],
-                              description="models batches may name, besides those of live "
-                                          "workers")
     poll_interval_s: float = Field(1.0, gt=0, description="how often batches in progress are "
                                                           "looked at")
     lease_s: float = Field(30.0, gt=0, description="how long a batch being validated or "

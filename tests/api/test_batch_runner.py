@@ -82,8 +82,8 @@ def _write_input(runner: BatchRunner, owner: str, rows: int, extra: bytes = b"")
 def _runner(services: dict[str, str], storage: DirectoryStorage) -> BatchRunner:
     client = JobClient(database=services["database_url"], redis_url=services["redis_url"],
                        key_prefix=services["key_prefix"])
-    settings = ApiSettings(models=["tiny"], lease_s=0.5, files_dir=storage.root)
-    return BatchRunner(client, ApiRecords(client.engine), storage, settings)
+    settings = ApiSettings(lease_s=0.5, files_dir=storage.root)
+    return BatchRunner(client, ApiRecords(client.engine), storage, settings, ["tiny"])
 
 
 def test_validation_cut_off_is_resumed_without_duplicates(services: dict[str, str],

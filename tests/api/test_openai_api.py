@@ -297,3 +297,28 @@ def test_a_body_without_a_declared_length_is_limited_too(server: ApiServer, make
     assert response.status == 413
     assert "request body is at most" in json.loads(response.read())["error"]["message"]
     conn.close()
+
+
+def test_a_model_the_deployment_serves_is_accepted_with_no_worker_up(
+        services: dict[str, str], tmp_path: Path, make_key) -> None:  # type: ignore[no-untyped-def]
+    """KVBATCH_MODELS, the setting the workers read too, names the models batches may name
+    while no worker is up (workers scale from zero); other names still fail validation."""
+    server = ApiServer(services, tmp_path / "files", tmp_path / "api.log", models=())
+    server.env["KVBATCH_MODELS"] = json.dumps(["tiny", "scaled-to-zero"])
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=make_key("t"),
+                               max_retries=0, timeout=30)
+        assert {m.id for m in client.models.list()} >= {"tiny", "scaled-to-zero"}
+        accepted = client.batches.create(
+            input_file_id=upload(client, jsonl([chat_row("a", model="scaled-to-zero")])),
+            endpoint="/v1/chat/completions", completion_window="24h")
+        assert wait_batch(client, accepted.id, {"in_progress", *FINAL}).status == "in_progress"
+        refused = client.batches.create(
+            input_file_id=upload(client, jsonl([chat_row("b", model="elsewhere")])),
+            endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_batch(client, refused.id)
+        assert done.status == "failed" and done.errors is not None
+        assert [e.code for e in done.errors.data or []] == ["model_not_found"]
+    finally:
+        server.stop()

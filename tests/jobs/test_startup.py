@@ -112,3 +112,16 @@ def test_the_sdk_does_not_create_a_database_either(tmp_path: Path) -> None:
     with pytest.raises(SchemaNotReady, match=r"typo\.db does not exist; run: kvbatch db upgrade"):
         Client(REDIS_URL, f"sqlite:///{missing}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_serves_only_a_model_of_the_deployment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVBATCH_MODELS, which ``kvbatch serve`` reads too, bounds what a worker may serve."""
+    from worker.settings import worker_settings
+
+    monkeypatch.setenv("KVBATCH_MODELS", '["tiny", "other"]')
+    assert worker_settings(served_model_name="other").model_name == "other"
+    with pytest.raises(ValueError, match="KVBATCH_MODELS: tiny, other"):
+        worker_settings(served_model_name="elsewhere")
+    monkeypatch.delenv("KVBATCH_MODELS")
+    assert worker_settings(served_model_name="elsewhere").model_name == "elsewhere"
