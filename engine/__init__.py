@@ -1,7 +1,7 @@
 """Paged-KV LLM engine: continuous batching, chunked prefill, prefix caching, preemption.
 
-Exports resolve lazily: ``engine.config`` and ``engine.sampling_params`` are torch-free, and
-the job side imports them without loading torch.
+Exports resolve lazily: ``engine.config``, ``engine.sampling_params`` and ``engine.outputs``
+are torch-free, and the job side imports them without loading torch.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the names, for type checkers and readers
     from engine.llm_engine import LLMEngine as LLMEngine
     from engine.outputs import CompletionOutput as CompletionOutput
     from engine.outputs import EngineStats as EngineStats
+    from engine.outputs import FinishReason as FinishReason
     from engine.outputs import RequestMetrics as RequestMetrics
     from engine.outputs import RequestOutput as RequestOutput
     from engine.sampling_params import SamplingParams as SamplingParams
@@ -22,6 +23,7 @@ _EXPORTS = {
     "CompletionOutput": "engine.outputs",
     "EngineConfig": "engine.config",
     "EngineStats": "engine.outputs",
+    "FinishReason": "engine.outputs",
     "LLMEngine": "engine.llm_engine",
     "RequestMetrics": "engine.sequence",
     "RequestOutput": "engine.outputs",

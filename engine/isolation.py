@@ -21,7 +21,7 @@ import logging
 
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampled
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class FaultIsolator:
         faults: dict[str, str] = {}
         middle = len(batch.seqs) // 2
         for seqs in (batch.seqs[:middle], batch.seqs[middle:]):
-            part = _part(seqs, ())  # the block copies ran with the first attempt
+            part = SchedulerOutput.of(seqs)  # its copies and swaps ran with the first attempt
             try:
                 sampled |= self.runner.run(part)
                 self._ran = True
@@ -71,17 +71,3 @@ class FaultIsolator:
                 sampled |= part_sampled
                 faults |= part_faults
         return sampled, faults
-
-
-def without_requests(batch: SchedulerOutput, request_ids: set[str]) -> SchedulerOutput:
-    """``batch`` less the sequences of ``request_ids`` (for the scheduler's update)."""
-    kept = tuple(s for s in batch.seqs if s.seq.request_id not in request_ids)
-    return _part(kept, batch.block_copies)
-
-
-def _part(seqs: tuple[ScheduledSeq, ...],
-          block_copies: tuple[tuple[int, int], ...]) -> SchedulerOutput:
-    # Decode-shaped entries stay first: the order of a slice of the batch.
-    return SchedulerOutput(seqs=seqs, num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1),
-                           block_copies=block_copies,
-                           num_batched_tokens=sum(s.num_new_tokens for s in seqs))

@@ -12,13 +12,13 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
-from engine.isolation import FaultIsolator, without_requests
+from engine.isolation import FaultIsolator
 from engine.kv_cache import KVCacheManager, cdiv
 from engine.memory import GiB, kv_budget, swap_bytes
 from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import EngineStats, RequestMetrics, RequestOutput
+from engine.outputs import EngineStats, FinishReason, RequestMetrics, RequestOutput
 from engine.processor import Processor, Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
@@ -115,14 +115,14 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  num_swap_blocks)
-        self.scheduler = Scheduler(config, self.kv, max_model_len)
+        self.processor = Processor(self.tokenizer, self.info)
+        self.scheduler = Scheduler(config, self.kv, max_model_len, self.processor.stop_reason)
         self.structured = StructuredOutput(self.tokenizer, self.info.vocab_size,
                                            self.info.eos_token_ids, native=backend.fused)
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
             self.structured, host_kv_caches,
         )
-        self.processor = Processor(self.tokenizer, self.info)
         self.runner.warm_up()
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.max_num_seqs,
@@ -197,7 +197,7 @@ class LLMEngine:
         if req is None:
             return
         live = [s for s in req.seqs if not s.is_finished]
-        self.scheduler.finish(live, "abort")
+        self.scheduler.finish(live, FinishReason.ABORT)
         self._aborted.append(self._output(req, finished=True))
 
     @property
@@ -228,31 +228,14 @@ class LLMEngine:
             return outputs
         sampled, faults = self.isolator.run(batch)
         if faults:
-            batch = without_requests(batch, set(faults))
+            batch = batch.without(set(faults))
             outputs += [self._fail(request_id, error) for request_id, error in faults.items()]
-        progressed = self.scheduler.update(batch, sampled)
-        touched: dict[str, list[Sequence]] = {}
-        for seq in progressed:
-            touched.setdefault(seq.request_id, []).append(seq)
-        for request_id, seqs in touched.items():
-            req = self._requests[request_id]
-            if len(req.seqs) < req.params.n:  # forked this step
-                req.seqs = seqs
-
-        # Stop checks and outputs decode text: what raises there fails its request alone.
-        failed: dict[str, str] = {}
-        stopped: dict[str, list[Sequence]] = {}
-        for seq in progressed:
-            try:
-                reason = self.processor.stop_reason(seq)
-            except Exception as exc:
-                failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
-                continue
-            if reason is not None:
-                stopped.setdefault(reason, []).append(seq)
-        for reason, seqs in stopped.items():
-            self.scheduler.finish([s for s in seqs if s.request_id not in failed], reason)
-        for request_id in touched:
+        update = self.scheduler.update(batch, sampled)
+        for child in update.forked:
+            self._requests[child.request_id].seqs.append(child)
+        # Outputs decode text: what raises there fails its request alone too.
+        failed = dict(update.failed)
+        for request_id in dict.fromkeys(s.request_id for s in update.progressed):
             if request_id in failed:
                 continue
             req = self._requests[request_id]
@@ -274,7 +257,7 @@ class LLMEngine:
         live = [s for s in req.seqs if not s.is_finished]
         for seq in live:
             self.kv.forget(seq)
-        self.scheduler.finish(live, "error")
+        self.scheduler.finish(live, FinishReason.ERROR)
         error = f"failed in the engine step: {error}"
         try:
             out = self._output(req, finished=True)

@@ -4,6 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a sample ended: the engine's word, stored with the job (OpenAI's view maps
+    ``abort`` to ``stop``)."""
+
+    STOP = "stop"  # EOS, a stop token or string, or a complete grammar
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"  # cancelled, past its deadline, or handed back
+    ERROR = "error"  # failed alone (bad input, or its part of a step raised)
 
 
 @dataclass
@@ -29,7 +40,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
 
 
@@ -53,8 +64,8 @@ class RequestOutput:
         return self.outputs[0].token_ids if self.outputs else []
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason if self.outputs else "error"
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason if self.outputs else FinishReason.ERROR
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
 from engine.runtime import RuntimeInfo
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -82,7 +82,7 @@ class Processor:
             )
         return token_ids
 
-    def stop_reason(self, seq: Sequence) -> str | None:
+    def stop_reason(self, seq: Sequence) -> FinishReason | None:
         """Why ``seq`` stops after its newest token (``stop`` / ``length``), or None.
 
         Raises:
@@ -92,18 +92,18 @@ class Processor:
         if seq.grammar_error is not None:
             raise ValueError(seq.grammar_error)
         if seq.grammar is not None and seq.grammar.is_terminated():
-            return "stop"  # the grammar is complete and took a stop token
+            return FinishReason.STOP  # the grammar is complete and took a stop token
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             last = seq.token_ids[-1]
             if (not p.ignore_eos and last in self.info.eos_token_ids) or (
                 last in p.stop_token_ids
             ):
-                return "stop"
+                return FinishReason.STOP
             if p.stop and self._find_stop(seq.output_token_ids, p.stop, tail=True) is not None:
-                return "stop"
+                return FinishReason.STOP
         if n_out >= p.max_tokens or seq.num_tokens >= self.info.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     def _find_stop(self, token_ids: list[int], stops: Seq[str], tail: bool) -> int | None:
@@ -130,7 +130,7 @@ class Processor:
             text = ""
             if seq.is_finished:
                 text = self.tokenizer.decode(out_ids, skip_special_tokens=True)
-                if seq.finish_reason == "stop" and seq.params.stop:
+                if seq.finish_reason is FinishReason.STOP and seq.params.stop:
                     cut = self._find_stop(out_ids, seq.params.stop, tail=False)
                     text = text if cut is None else text[:cut]
             completions.append(
@@ -162,7 +162,7 @@ class Processor:
         return RequestOutput(
             request_id=request_id,
             prompt_token_ids=[],
-            outputs=[CompletionOutput(index=0, token_ids=[], finish_reason="error")],
+            outputs=[CompletionOutput(index=0, token_ids=[], finish_reason=FinishReason.ERROR)],
             finished=True,
             metrics=RequestMetrics(arrival_time=now, finish_time=now),
             error=error,

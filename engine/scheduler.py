@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.outputs import FinishReason
 from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
 
@@ -40,9 +41,36 @@ class SchedulerOutput:
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
 
+    @classmethod
+    def of(cls, seqs: tuple[ScheduledSeq, ...], block_copies: tuple[tuple[int, int], ...] = (),
+           swap_out: tuple[tuple[int, int], ...] = (),
+           swap_in: tuple[tuple[int, int], ...] = ()) -> SchedulerOutput:
+        """The output that computes ``seqs`` (decode-shaped entries already first)."""
+        return cls(seqs=seqs, num_decodes=sum(1 for s in seqs if s.num_new_tokens == 1),
+                   block_copies=block_copies,
+                   num_batched_tokens=sum(s.num_new_tokens for s in seqs),
+                   swap_out=swap_out, swap_in=swap_in)
+
+    def without(self, request_ids: set[str]) -> SchedulerOutput:
+        """This step less the sequences of ``request_ids`` (its copies kept)."""
+        return self.of(tuple(s for s in self.seqs if s.seq.request_id not in request_ids),
+                       self.block_copies, self.swap_out, self.swap_in)
+
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+
+StopCheck = Callable[[Sequence], FinishReason | None]
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What :meth:`Scheduler.update` did with one step's tokens."""
+
+    progressed: list[Sequence]  # produced a token this step, forks included, in batch order
+    forked: list[Sequence] = field(default_factory=list)  # samples born this step (n > 1)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its check raised
 
 
 @dataclass
@@ -71,10 +99,12 @@ class Scheduler:
     cache).
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 stop_check: StopCheck | None = None) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.stop_check = stop_check  # why a sequence stops after its newest token
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by Sequence.sort_key
@@ -114,18 +144,11 @@ class Scheduler:
             budget = self._admit_waiting(scheduled, budget)
 
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
-        num_decodes = sum(1 for s in scheduled if s.num_new_tokens == 1)
-        num_batched = self.config.max_num_batched_tokens - budget
+        out = SchedulerOutput.of(tuple(scheduled), tuple(self.kv.take_copies()),
+                                 tuple(swap_out), tuple(swap_in))
         self.counters.num_steps += 1
-        self.counters.num_batched_tokens += num_batched
-        return SchedulerOutput(
-            seqs=tuple(scheduled),
-            num_decodes=num_decodes,
-            block_copies=tuple(self.kv.take_copies()),
-            num_batched_tokens=num_batched,
-            swap_out=tuple(swap_out),
-            swap_in=tuple(swap_in),
-        )
+        self.counters.num_batched_tokens += out.num_batched_tokens
+        return out
 
     def _num_seats(self) -> int:
         return sum(1 + s.pending_forks for s in self.running)  # forks included
@@ -235,14 +258,16 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.add(seq)
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, list[Sampled]]) -> list[Sequence]:
-        """Advance sequences after the forward; ``sampled`` maps seq_id -> new token(s).
-
-        A sequence with pending forks receives ``n`` tokens and forks into ``n`` samples.
-        Returns the sequences that produced a token this step (children included).
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[Sampled]]) -> StepUpdate:
+        """Each token's fate, in one pass after the forward: append it, check the stop
+        condition (``stop_check``), and finish and free the sequences that stop.
+        ``sampled`` maps seq_id -> new token(s): a sequence with pending forks receives ``n``
+        tokens and forks into ``n`` samples. A stop check that raises (a grammar refused the
+        token) fails its request alone: its sequences are left for the caller to end.
         """
         now = time.monotonic()
-        progressed: list[Sequence] = []
+        update = StepUpdate([])
+        stopped: dict[FinishReason, list[Sequence]] = {}
         for s in out.seqs:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
@@ -253,12 +278,24 @@ class Scheduler:
                 seq.metrics.first_token_time = now
             family = [seq]
             if seq.pending_forks:
-                family += self._fork(seq, seq.pending_forks)
+                update.forked.extend(children := self._fork(seq, seq.pending_forks))
+                family += children
             for member, sample in zip(family, samples, strict=True):
                 member.append(sample.token, sample.logprobs)
                 self.counters.num_generated_tokens += 1
-                progressed.append(member)
-        return progressed
+                update.progressed.append(member)
+                if self.stop_check is None:
+                    continue
+                try:
+                    reason = self.stop_check(member)
+                except Exception as exc:
+                    update.failed[member.request_id] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if reason is not None:
+                    stopped.setdefault(reason, []).append(member)
+        for reason, seqs in stopped.items():
+            self.finish([s for s in seqs if s.request_id not in update.failed], reason)
+        return update
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         parent.pending_forks = 0
@@ -269,7 +306,7 @@ class Scheduler:
         self.running[pos:pos] = children
         return children
 
-    def finish(self, seqs: Iterable[Sequence], reason: str) -> None:
+    def finish(self, seqs: Iterable[Sequence], reason: FinishReason) -> None:
         """Finish sequences (any state) and free their blocks at once."""
         done = {id(s) for s in seqs}
         for seq in [s for s in (*self.running, *self.waiting, *self.swapped) if id(s) in done]:

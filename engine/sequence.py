@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.outputs import RequestMetrics
+from engine.outputs import FinishReason, RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
     host_block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

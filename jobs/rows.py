@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from jobs.schemas import Choice, JobInfo, JobStatus, TokenLogprob
 
@@ -287,5 +288,6 @@ def _completion_logprobs(steps: list[TokenLogprob] | None) -> dict[str, Any] | N
             "text_offset": offsets}
 
 
-def _openai_finish_reason(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
+def _openai_finish_reason(reason: FinishReason | None) -> FinishReason | None:
+    """OpenAI has no ``abort``: a cancelled or expired sample ended early, as at a stop."""
+    return FinishReason.STOP if reason == FinishReason.ABORT else reason

@@ -32,6 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticSerializationError
 
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
 
@@ -334,7 +335,7 @@ class Choice(BaseModel):
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: Logprobs = None
 
 
@@ -343,7 +344,7 @@ class JobResult(BaseModel):
 
     text: str = ""
     token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: Logprobs = None
     usage: Usage = Usage()
     # Every sample when n > 1 (the first repeats the top-level fields); empty when n == 1.

@@ -11,6 +11,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from engine.outputs import FinishReason
 from jobs.schemas import (
     Choice,
     JobResult,
@@ -46,9 +47,9 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
     """
     reason = out.finish_reason
     error = None
-    if out.error is not None or reason == "error":
+    if out.error is not None or reason == FinishReason.ERROR:
         status, error = JobStatus.FAILED, out.error or "engine error"
-    elif reason == "abort":
+    elif reason == FinishReason.ABORT:
         status = abort_as or JobStatus.CANCELLED
         error = "deadline passed" if status is JobStatus.EXPIRED else "cancelled"
     else:

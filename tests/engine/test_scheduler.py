@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.outputs import RequestMetrics
+from engine.outputs import FinishReason, RequestMetrics
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -31,7 +31,11 @@ def make_scheduler(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=caching
     )
     kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks=swap_blocks)
-    return Scheduler(config, kv, max_model_len=4096)
+    return Scheduler(config, kv, max_model_len=4096, stop_check=at_max_tokens)
+
+
+def at_max_tokens(seq: Sequence) -> FinishReason | None:
+    return FinishReason.LENGTH if seq.num_output_tokens >= seq.params.max_tokens else None
 
 
 _order = iter(range(10**9))
@@ -52,16 +56,17 @@ def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, priority: int 
 
 
 def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
-    """One scheduler step with a stand-in model; finishes sequences at max_tokens."""
+    """One scheduler step with a stand-in model; returns the sequences it finished (at
+    max_tokens, in the scheduler's update)."""
     out = sched.schedule()
     sampled = {
         s.seq.seq_id: [Sampled(NEXT_TOKEN, None)] * (1 + s.seq.pending_forks)
         for s in out.seqs
         if s.sample
     }
-    progressed = sched.update(out, sampled)
-    done = [s for s in progressed if s.num_output_tokens >= s.params.max_tokens]
-    sched.finish(done, "length")
+    update = sched.update(out, sampled)
+    done = [s for s in update.progressed if s.is_finished]
+    assert all(s.finish_reason is FinishReason.LENGTH for s in done)
     return out, done
 
 
@@ -224,7 +229,7 @@ def test_finishing_a_swapped_sequence_frees_its_host_blocks() -> None:
     sched, _, b = two_filling_the_pool(8)
     step(sched)
     assert sched.swapped == [b] and sched.kv.host_pool.num_free_blocks == 6
-    sched.finish([b], "abort")
+    sched.finish([b], FinishReason.ABORT)
     assert sched.swapped == [] and b.host_block_table == []
     assert sched.kv.host_pool.num_free_blocks == 8 and b.is_finished
 
@@ -307,3 +312,32 @@ def _check_invariants(sched: Scheduler) -> None:
         assert all(host.ref_counts[b] == on_host[b] for b in range(host.num_blocks))
         assert all(seq.num_computed_tokens > 0 for seq in sched.swapped)
     assert len(sched.running) <= sched.config.max_num_seqs
+
+
+def test_update_decides_each_tokens_fate_in_one_pass() -> None:
+    """The update appends, checks the stop condition, and finishes and frees what stopped; a
+    check that raises fails its request alone (left running for the engine to end), and the
+    samples forked this step are reported with their request."""
+
+    def check(seq: Sequence) -> FinishReason | None:
+        if seq.request_id == "r1":
+            raise ValueError("the grammar refused the token")
+        return at_max_tokens(seq)
+
+    sched = make_scheduler()
+    sched.stop_check = check
+    a = add(sched, list(range(20)), max_tokens=1)
+    b = add(sched, list(range(40, 60)), max_tokens=1)
+    c = add(sched, list(range(80, 100)), max_tokens=3, n=2)
+    out = sched.schedule()
+    sampled = {s.seq.seq_id: [Sampled(NEXT_TOKEN, None)] * (1 + s.seq.pending_forks)
+               for s in out.seqs}
+    update = sched.update(out, sampled)
+    assert [s.request_id for s in update.progressed] == ["r0", "r1", "r2", "r2"]
+    assert a.is_finished and a.finish_reason is FinishReason.LENGTH and not a.block_table
+    assert a not in sched.running
+    assert update.failed == {"r1": "ValueError: the grammar refused the token"}
+    assert not b.is_finished and b in sched.running and b.output_token_ids == [NEXT_TOKEN]
+    (child,) = update.forked
+    assert (child.request_id, child.index, child.output_token_ids) == ("r2", 1, [NEXT_TOKEN])
+    assert not c.is_finished and sched.running == [b, c, child]
