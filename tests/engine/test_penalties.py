@@ -110,7 +110,7 @@ def test_each_row_gets_its_own_penalties_and_logprobs_stay_raw() -> None:
         _openai(LOGITS, OUTPUT, 1.0, 0.0),
         LOGITS,
         _openai(LOGITS, [0, 4], 0.0, 2.0),
-        _repetition(LOGITS, PROMPT + [5], 2.0),
+        _repetition(LOGITS, [*PROMPT, 5], 2.0),
     ]
     for i, row in enumerate(expected):
         assert logits[i].tolist() == pytest.approx(row), f"row {i}"
