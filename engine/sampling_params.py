@@ -23,6 +23,9 @@ MAX_N = 2**16
 MAX_SEED = 2**63 - 1 - MAX_N
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_CHOICES = 1024
+# Objects and arrays in a json_schema, nested (a property of an object is two levels down):
+# real schemas nest a few dozen; a deeper one only exhausts the stacks that walk it.
+MAX_SCHEMA_DEPTH = 64
 # Read by pydantic where these dataclasses are field types (the job schema): unknown fields
 # are refused and inf/NaN are not JSON. Plain dict: no pydantic import here.
 _PYDANTIC_CONFIG: dict[str, Any] = {"extra": "forbid", "allow_inf_nan": False}
@@ -47,6 +50,11 @@ class JsonSchema:
             raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
         if not isinstance(self.schema, Mapping):
             raise ValueError("json_schema.schema must be a JSON Schema object")
+        if _depth(self.schema) > MAX_SCHEMA_DEPTH:
+            # Checked without recursion before anything recursive (the schema check here, the
+            # grammar compiler on the worker) walks it.
+            raise ValueError(f"json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} "
+                             "levels deep")
         from jsonschema.exceptions import SchemaError
         from jsonschema.validators import validator_for
 
@@ -234,6 +242,22 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s objects and arrays nest (a scalar is 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = (item.values() if isinstance(item, Mapping)
+                    else item if isinstance(item, list | tuple) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_SCHEMA_DEPTH:
+            break
+        todo.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _build(cls: type[Any], value: Mapping[str, Any], name: str) -> Any:

@@ -135,12 +135,16 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
         sampling["logprobs"] = body.get("top_logprobs") or 0
     elif kind is RowKind.COMPLETION and logprobs is not None:
         sampling["logprobs"] = logprobs
+    metadata = _object(body.get("metadata"), "metadata")
     if kind is RowKind.CHAT:
-        messages = [_openai_message(m) for m in body.get("messages") or []]
-        return Row(custom_id=str(obj["custom_id"]), kind=kind, messages=messages,
-                   sampling=sampling, metadata=dict(body.get("metadata") or {}))
+        messages = body.get("messages") or []
+        if not isinstance(messages, list):
+            raise ValueError(f"'messages' must be a list, not {type(messages).__name__}")
+        return Row(custom_id=str(obj["custom_id"]), kind=kind,
+                   messages=[_openai_message(m) for m in messages], sampling=sampling,
+                   metadata=metadata)
     return Row(custom_id=str(obj["custom_id"]), kind=kind, raw_prompt=body.get("prompt"),
-               sampling=sampling, metadata=dict(body.get("metadata") or {}))
+               sampling=sampling, metadata=metadata)
 
 
 def rejected_row(obj: Any, index: int, error: str) -> Row:

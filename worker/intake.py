@@ -110,7 +110,7 @@ class Intake:
                 spec = decode_job(d.payload or "")
                 if spec.id != d.job_id:
                     raise ValueError(f"entry id field {d.job_id!r} != job id {spec.id!r}")
-            except ValueError as exc:
+            except Exception as exc:  # whatever a payload makes the parser raise, it fails alone
                 reason = f"malformed job message: {short_error(exc)}"
                 if d.job_id and _valid_id(d.job_id):
                     self.results.add(Outcome(d.job_id, JobStatus.FAILED, now, error=reason), d)
@@ -137,8 +137,8 @@ class Intake:
             return f"unknown model {spec.model!r}: this queue is served by {self.model_name!r}"
         try:
             self.limits.check(spec)
-        except ValueError as exc:
-            return str(exc)
+        except Exception as exc:  # a job that breaks a check fails alone
+            return short_error(exc)
         return None
 
     def decide(self, now: float) -> list[tuple[Delivery, JobSpec]]:

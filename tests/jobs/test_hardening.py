@@ -124,3 +124,27 @@ def test_the_worker_enforces_the_limits_too(redis_client: redis.Redis, keys: Key
                     infos[wordy.id].error)
     assert infos[wordy.id].stats.generated_tokens == 4 * 32  # the work is still accounted
     assert infos[fine.id].status is JobStatus.SUCCEEDED
+
+
+def test_a_schema_too_deep_for_the_worker_fails_alone(redis_client: redis.Redis, keys: Keys,
+                                                      pg_engine: sa.Engine, start_worker) -> None:  # type: ignore[no-untyped-def]
+    """Sent past the SDK's checks, a schema nested ~100 levels once raised RecursionError in the
+    worker's intake: the worker died, the delivery was never counted, and the next worker died
+    on it too. It is refused when decoded, and the worker serves on."""
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    deep = _job(0)
+    schema: dict = {"type": "string"}
+    for _ in range(90):  # past the limit, within the JSON parser's
+        schema = {"type": "object", "properties": {"a": schema}}
+    _inject(redis_client, keys, client, deep, sampling={
+        "max_tokens": 6, "response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "d", "schema": schema}}})
+    fine = _job(1)
+    ids = client.submit([fine])
+    running = start_worker(max_model_len=256)
+    infos = {i.id: i for i in client.wait([*ids, deep.id], timeout_s=120)}
+    assert infos[deep.id].status is JobStatus.FAILED and infos[deep.id].attempts <= 1
+    assert "malformed job message" in infos[deep.id].error
+    assert "nested more than 64 levels" in infos[deep.id].error
+    assert infos[fine.id].status is JobStatus.SUCCEEDED
+    assert running.thread.is_alive() and running.rc is None
