@@ -274,9 +274,7 @@ class JobClient:
 
     def served_models(self) -> set[str]:
         """The models live workers serve."""
-        models = self.redis.hgetall(self.keys.workers())  # worker id -> model
-        live = live_workers(self.redis, self.keys)
-        return {models[w] for w in live if w in models}
+        return set(live_workers(self.redis, self.keys).values())
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:

@@ -308,19 +308,10 @@ class JobQueue:
         pipe.execute()
 
     def serving(self) -> dict[str, int]:
-        """The live workers of this model, each with the window it asked for. Dead workers'
-        entries leave the registry here."""
-        wanted = self.client.hgetall(self.keys.feed_windows(self.model))
-        if not wanted:
-            return {}
-        pipe = self.client.pipeline(transaction=False)
-        for name in wanted:
-            pipe.exists(self.keys.heartbeat(name))
-        alive = dict(zip(wanted, pipe.execute(), strict=True))
-        dead = [n for n, hit in alive.items() if not hit]
-        if dead:
-            self.client.hdel(self.keys.feed_windows(self.model), *dead)
-        return {n: int(wanted[n]) for n, hit in alive.items() if hit}
+        """The live workers of this model, each with the window it asked for (see
+        :func:`live_entries`)."""
+        wanted = live_entries(self.client, self.keys, self.keys.feed_windows(self.model))
+        return {name: int(window) for name, window in wanted.items()}
 
     def window(self, floor: int) -> int:
         """How many entries the streams should hold (waiting or held): what the live workers
@@ -480,25 +471,31 @@ class JobQueue:
         return {f.get(FIELD_ID, "") for _, entries in self._entries(chunk) for _, f in entries}
 
     def live_workers(self) -> set[str]:
-        """Worker ids whose heartbeat is current (see :func:`live_workers`)."""
-        return live_workers(self.client, self.keys)
+        """Worker ids whose heartbeat is current (see :func:`live_entries`)."""
+        return set(live_workers(self.client, self.keys))
 
 
-def live_workers(client: redis.Redis, keys: Keys) -> set[str]:
-    """Worker ids whose heartbeat is current. Workers whose heartbeat is gone leave the
-    registry here, so it does not grow with every restart (a worker that comes back
-    registers again with its next heartbeat)."""
-    names = list(client.hkeys(keys.workers()))
-    if not names:
-        return set()
+def live_workers(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Worker id -> served model name of every worker whose heartbeat is current (see
+    :func:`live_entries`)."""
+    return live_entries(client, keys, keys.workers())
+
+
+def live_entries(client: redis.Redis, keys: Keys, registry: str) -> dict[str, str]:
+    """The entries of ``registry``, a hash keyed by worker id, whose worker's heartbeat is
+    current. The dead workers' entries leave the hash here, so it does not grow with every
+    restart (a worker that comes back registers again with its next heartbeat)."""
+    entries = client.hgetall(registry)
+    if not entries:
+        return {}
     pipe = client.pipeline(transaction=False)
-    for name in names:
+    for name in entries:
         pipe.exists(keys.heartbeat(name))
-    alive = dict(zip(names, pipe.execute(), strict=True))
+    alive = dict(zip(entries, pipe.execute(), strict=True))
     dead = [n for n, hit in alive.items() if not hit]
     if dead:
-        client.hdel(keys.workers(), *dead)
-    return {n for n, hit in alive.items() if hit}
+        client.hdel(registry, *dead)
+    return {n: entries[n] for n, hit in alive.items() if hit}
 
 
 def publish_done(client: redis.Redis, keys: Keys, finished: Iterable[tuple[str, str]]) -> None:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from engine.sampling_params import SamplingParams
 from jobs.client import JobClient
@@ -367,7 +368,8 @@ class Client:
                                       sampling=sampling))
                 valid[row.custom_id] = row
             except (ValidationError, ValueError) as exc:
-                error = (validation_message(exc) if isinstance(exc, ValidationError)
+                error = (validation_message(exc.errors(), "row")
+                         if isinstance(exc, ValidationError)
                          else str(exc))
                 try:  # a row without a custom_id to report it by refuses the batch
                     if rejected is None:
@@ -467,7 +469,9 @@ def _given(sampling: dict[str, Any], **named: Any) -> dict[str, Any]:
     return {**sampling, **{k: v for k, v in named.items() if v is not None}}
 
 
-def validation_message(exc: ValidationError) -> str:
-    """A pydantic error as one line: ``field: what is wrong`` per error, no input values."""
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'row'}: {e['msg']}"
-                     for e in exc.errors())
+def validation_message(errors: Iterable[ErrorDetails], whole: str = "") -> str:
+    """Pydantic's ``errors()`` (of a model, settings or a request) as one line: ``field: what
+    is wrong`` per error, never the input values; an error of the whole object is named
+    ``whole`` (or given bare)."""
+    return "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])) or whole, e["msg"])))
+                     for e in errors)

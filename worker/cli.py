@@ -129,12 +129,12 @@ def error_line(exc: BaseException) -> str:
     from sqlalchemy.exc import DBAPIError
 
     from jobs.db import SchemaNotReady
+    from jobs.sdk import validation_message
 
     if isinstance(exc, SchemaNotReady | ValueError) and not isinstance(exc, ValidationError):
         return _first_line(exc)
     if isinstance(exc, ValidationError):
-        return "; ".join(": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"])))
-                         for e in exc.errors())
+        return validation_message(exc.errors())
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return f"cannot reach Redis: {_first_line(exc)}"
     if isinstance(exc, DBAPIError):

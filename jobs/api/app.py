@@ -32,6 +32,7 @@ from jobs.api.settings import ApiSettings
 from jobs.api.storage import DirectoryStorage, FileStorage, Upload
 from jobs.client import JobClient
 from jobs.models import ApiBatch, File
+from jobs.sdk import validation_message
 from jobs.settings import ConnectionSettings
 
 MAX_FIELD_BYTES = 1 << 16  # a form field other than the file (``purpose``)
@@ -135,8 +136,7 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings,
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         # Field paths and messages only: the values sent are not echoed back.
-        message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        return JSONResponse(ApiError(400, message).body(), 400)
+        return JSONResponse(ApiError(400, validation_message(exc.errors())).body(), 400)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

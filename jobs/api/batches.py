@@ -364,7 +364,7 @@ class BatchRunner:
                             defaults={}, priority=0, deadline=row.batch.deadline_at)
             self.client.check(spec)
         except ValidationError as exc:
-            raise LineError("invalid_request", validation_message(exc)) from None
+            raise LineError("invalid_request", validation_message(exc.errors(), "row")) from None
         except ValueError as exc:
             raise LineError("invalid_request", str(exc)) from None
         return spec
