@@ -36,6 +36,15 @@ def test_outward_addresses_are_reached_at_the_address_resolved(address: str) -> 
         address, "hooks.example.test", 443, "/in?x=1")
 
 
+@pytest.mark.parametrize("address", [
+    "2001:2::1",  # benchmarking: not global, in no denied network, carries no IPv4
+    "2001:10::1",  # ORCHID
+])
+def test_addresses_python_calls_not_global_are_refused(address: str) -> None:
+    with pytest.raises(WebhookRefused, match="which webhooks may not reach"):
+        resolve("http://hooks.example.test/", lookup=answering(address))
+
+
 def test_one_inward_answer_among_outward_ones_refuses_the_host() -> None:
     with pytest.raises(WebhookRefused, match=r"resolves to 10\.0\.0\.1"):
         resolve("http://hooks.example.test/", lookup=answering("8.8.8.8", "10.0.0.1"))

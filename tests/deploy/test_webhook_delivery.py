@@ -1,24 +1,31 @@
-"""Webhooks that are delivered: HTTPS to a receiver whose certificate names the URL's host, at
-the address the host resolved to (not the resolver's loopback default), and HTTPS never falls
-back to plain HTTP. The refusals are in ``test_webhook_security.py``."""
+"""Webhooks that are delivered: the signed JSON body and its headers, HTTPS to a receiver whose
+certificate names the URL's host, at the address the host resolved to (not the resolver's
+loopback default); HTTPS never falls back to plain HTTP; an endless answer is read only so far;
+connecting counts against the deadline. The refusals are in ``test_webhook_security.py``."""
 
 from __future__ import annotations
 
+import contextlib
+import email.message
+import hashlib
+import hmac
 import http.client
 import http.server
 import ipaddress
+import json
 import socket
 import ssl
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from worker.control import webhook
-from worker.control.webhook import post_event
+from worker.control.webhook import MAX_RESPONSE_BYTES, post_event
 
 HOST = "hooks.example.test"
 ADDRESS = "127.0.0.2"  # loopback, but not where a connection to no address lands
@@ -26,19 +33,26 @@ ALLOW = (ipaddress.ip_network("127.0.0.0/8"),)
 EVENT = {"type": "batch.completed", "batch_id": "b7"}
 
 
-class Receiver:
-    """An HTTP(S) server on ``ADDRESS`` that answers 200 and records each request's headers."""
+Answer = Callable[[http.server.BaseHTTPRequestHandler], None]
 
-    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
-        self.headers: list[dict[str, str]] = []
+
+def ok(handler: http.server.BaseHTTPRequestHandler) -> None:
+    handler.send_response(200)
+    handler.end_headers()
+
+
+class Receiver:
+    """An HTTP(S) server on ``ADDRESS`` that records each request's headers and body."""
+
+    def __init__(self, tls: ssl.SSLContext | None = None, answer: Answer = ok) -> None:
+        self.requests: list[tuple[email.message.Message, bytes]] = []
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                receiver.headers.append(dict(self.headers))
-                self.send_response(200)
-                self.end_headers()
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests.append((self.headers, body))
+                answer(self)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -101,23 +115,94 @@ def test_https_is_delivered_to_the_resolved_address_under_the_urls_name(
                         lambda: default_context(cafile=str(cert)))
     error = post_event(f"https://{HOST}:{hook.port}/in", EVENT, "s", 5.0, allow=ALLOW)
     assert error is None
-    (headers,) = hook.headers
+    ((headers, _),) = hook.requests
     assert headers["Host"] == f"{HOST}:{hook.port}"
-    assert headers["X-Kvbatch-Signature"].startswith("t=")
-    assert headers["Idempotency-Key"] == "b7"
 
 
 def test_https_to_a_receiver_without_tls_fails(dns: None, receivers: list[Receiver]) -> None:
     receivers.append(hook := Receiver())
     error = post_event(f"https://{HOST}:{hook.port}/in", EVENT, "s", 5.0, allow=ALLOW)
     assert error is not None and error.startswith("SSL"), error
-    assert hook.headers == []
+    assert hook.requests == []
 
 
-def test_http_is_delivered_to_the_resolved_address(dns: None, receivers: list[Receiver]) -> None:
+def test_the_event_is_posted_as_signed_json_with_its_headers(
+        dns: None, receivers: list[Receiver]) -> None:
     receivers.append(hook := Receiver())
-    assert post_event(f"http://{HOST}:{hook.port}/in", EVENT, "s", 5.0, allow=ALLOW) is None
-    assert [h["Host"] for h in hook.headers] == [f"{HOST}:{hook.port}"]
+    before = int(time.time())
+    assert post_event(f"http://{HOST}:{hook.port}/in", EVENT, "s3cret", 5.0, allow=ALLOW) is None
+    ((headers, body),) = hook.requests
+    assert body == json.dumps(EVENT, sort_keys=True).encode()
+    assert headers["Host"] == f"{HOST}:{hook.port}"  # the URL's host, at the resolved address
+    assert headers["Content-Type"] == "application/json"
+    assert headers["User-Agent"] == "kvbatch-control"
+    assert headers["X-Kvbatch-Event"] == "batch.completed"
+    assert headers["Idempotency-Key"] == "b7"
+    timestamp, mac = headers["X-Kvbatch-Signature"].removeprefix("t=").split(",v1=")
+    assert before <= int(timestamp) <= time.time()
+    assert mac == hmac.new(b"s3cret", f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+
+
+def test_an_unsigned_event_is_refused_naming_both_settings() -> None:
+    assert post_event("http://hooks.example.test/in", EVENT, None, 1.0) == (
+        "refused: webhooks are signed; set KVBATCH_WEBHOOK_SECRET (or "
+        "KVBATCH_WEBHOOK_ALLOW_UNSIGNED=true)")
+
+
+def test_an_endless_answer_is_read_only_up_to_its_cap(
+        dns: None, receivers: list[Receiver]) -> None:
+    release = threading.Event()
+
+    def endless(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(100 * MAX_RESPONSE_BYTES))
+        handler.end_headers()
+        with contextlib.suppress(OSError):
+            handler.wfile.write(b"x" * (2 * MAX_RESPONSE_BYTES))
+            handler.wfile.flush()
+            release.wait(10)  # the rest never comes
+
+    receivers.append(hook := Receiver(answer=endless))
+    started = time.monotonic()
+    try:
+        error = post_event(f"http://{HOST}:{hook.port}/in", EVENT, "s", 5.0, allow=ALLOW)
+    finally:
+        release.set()
+    assert error is None and time.monotonic() - started < 4.0
+
+
+def test_connecting_is_bounded_by_the_deadline() -> None:
+    """A receiver whose accept queue is full never completes the handshake; the connection
+    attempt gives up at the deadline (the watchdog has no socket to cut yet)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    port = server.getsockname()[1]
+    queued = []
+    try:
+        for _ in range(4):  # fill the accept queue: later handshakes go unanswered
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            queued.append(s)
+        time.sleep(0.2)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            webhook._connect("127.0.0.1", port, started + 0.5).close()
+        assert time.monotonic() - started < 3.0
+    finally:
+        for s in queued:
+            s.close()
+        server.close()
+
+
+def test_no_connection_is_tried_past_the_deadline() -> None:
+    with pytest.raises(TimeoutError, match=r"^no time left to connect$"):
+        webhook._connect("127.0.0.1", 9, time.monotonic() - 0.01)
+    with pytest.raises(TimeoutError, match=r"^the deadline passed while connecting$"):
+        webhook._check_time(time.monotonic() - 0.01)
+    webhook._check_time(time.monotonic() + 60)  # time left: no error
 
 
 def test_the_deadline_cut_of_an_already_closed_connection_is_quiet() -> None:
