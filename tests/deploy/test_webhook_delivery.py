@@ -143,6 +143,15 @@ def test_the_event_is_posted_as_signed_json_with_its_headers(
     assert mac == hmac.new(b"s3cret", f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
 
 
+def test_an_event_without_type_or_batch_is_sent_with_those_headers_empty(
+        dns: None, receivers: list[Receiver]) -> None:
+    receivers.append(hook := Receiver())
+    assert post_event(f"http://{HOST}:{hook.port}/in", {}, "s", 5.0, allow=ALLOW) is None
+    ((headers, body),) = hook.requests
+    assert body == b"{}"
+    assert (headers["X-Kvbatch-Event"], headers["Idempotency-Key"]) == ("", "")
+
+
 def test_an_unsigned_event_is_refused_naming_both_settings() -> None:
     assert post_event("http://hooks.example.test/in", EVENT, None, 1.0) == (
         "refused: webhooks are signed; set KVBATCH_WEBHOOK_SECRET (or "
