@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from jobs.schemas import check_webhook_url
 from worker.control.webhook import WebhookRefused, _embedded_ipv4, resolve
 
 
@@ -41,8 +42,41 @@ def test_outward_addresses_are_reached_at_the_address_resolved(address: str) -> 
     "2001:10::1",  # ORCHID
 ])
 def test_addresses_python_calls_not_global_are_refused(address: str) -> None:
-    with pytest.raises(WebhookRefused, match="which webhooks may not reach"):
+    with pytest.raises(WebhookRefused) as refused:
         resolve("http://hooks.example.test/", lookup=answering(address))
+    assert str(refused.value) == (
+        f"'hooks.example.test' resolves to {address}, which webhooks may not reach (add its "
+        "network to KVBATCH_WEBHOOK_ALLOW_NETWORKS)")
+
+
+@pytest.mark.parametrize(("url", "scheme", "port", "path"), [
+    ("http://hooks.example.test", "http", 80, "/"),
+    ("https://hooks.example.test", "https", 443, "/"),
+    ("http://hooks.example.test:8080/a/b", "http", 8080, "/a/b"),
+    ("https://hooks.example.test/in?k=v&x=1", "https", 443, "/in?k=v&x=1"),
+])
+def test_the_target_keeps_the_urls_scheme_default_port_and_path(
+        url: str, scheme: str, port: int, path: str) -> None:
+    asked: list[tuple[str, int]] = []
+
+    def lookup(host: str, port: int, *args: Any, **kwargs: Any) -> list[Any]:
+        asked.append((host, port))
+        return answering("8.8.8.8")(host, port)
+
+    target = resolve(url, lookup=lookup)
+    assert (target.scheme, target.host, target.port, target.path) == (
+        scheme, "hooks.example.test", port, path)
+    assert asked == [("hooks.example.test", port)]
+
+
+@pytest.mark.parametrize("url", [
+    "ftp://hooks.example.test/", "http:///nohost", "http://user:pw@hooks.example.test/"])
+def test_a_bad_url_is_refused_for_the_reason_the_submission_check_gives(url: str) -> None:
+    with pytest.raises(ValueError) as reason:
+        check_webhook_url(url)
+    with pytest.raises(WebhookRefused) as refused:
+        resolve(url, lookup=answering("8.8.8.8"))
+    assert str(refused.value) == str(reason.value)
 
 
 def test_one_inward_answer_among_outward_ones_refuses_the_host() -> None:
