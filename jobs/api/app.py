@@ -105,15 +105,15 @@ Owner = Annotated[str, Depends(owner)]
 
 
 def create_app(settings: ApiSettings, conn: ConnectionSettings,
-               models: Sequence[str]) -> FastAPI:
-    """The application on the queue and database of ``conn``, for the deployment's ``models``
+               deployment_models: Sequence[str]) -> FastAPI:
+    """The application on the queue and database of ``conn``, for ``deployment_models``
     (``KVBATCH_MODELS``); its batch runner thread runs while the application does."""
     client = JobClient(database=conn.database_url, redis_url=conn.redis_url,
                        key_prefix=conn.key_prefix)
     records = ApiRecords(client.engine)
     keys = KeyStore(client.engine)
     storage = DirectoryStorage(settings.files_dir)
-    runner = BatchRunner(client, records, storage, settings, models)
+    runner = BatchRunner(client, records, storage, settings, deployment_models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
