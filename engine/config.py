@@ -72,6 +72,12 @@ class EngineConfig:
     attention_backend: str = _field(
         "auto", "auto (Triton on CUDA, cpu elsewhere), torch, cpu or triton")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
+    grammar_compile_timeout_s: float = _field(
+        30.0, "most seconds one response_format may take to compile (in a process beside the "
+        "engine's loop); a format over it fails its job alone")
+    grammar_compile_memory_bytes: int = _field(
+        2 << 30, "most memory one response_format's compile may take; a format over it fails "
+        "its job alone")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -95,6 +101,12 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError("grammar_compile_timeout_s must be > 0, "
+                             f"got {self.grammar_compile_timeout_s}")
+        if self.grammar_compile_memory_bytes < 1:
+            raise ValueError("grammar_compile_memory_bytes must be >= 1, "
+                             f"got {self.grammar_compile_memory_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_model_len is not None and (

@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +25,12 @@ from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, reso
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
-from engine.structured_output import StructuredOutput
+from engine.structured_output import CompileBudget, StructuredOutput
 from kernels import get_ops, resolve_backend
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long
 
 
 
@@ -117,8 +120,10 @@ class LLMEngine:
                                  num_swap_blocks)
         self.processor = Processor(self.tokenizer, self.info)
         self.scheduler = Scheduler(config, self.kv, max_model_len, self.processor.stop_reason)
-        self.structured = StructuredOutput(self.tokenizer, self.info.vocab_size,
-                                           self.info.eos_token_ids, native=backend.fused)
+        self.structured = StructuredOutput(
+            self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, native=backend.fused,
+            budget=CompileBudget(config.grammar_compile_timeout_s,
+                                 config.grammar_compile_memory_bytes))
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
             self.structured, host_kv_caches,
@@ -130,6 +135,7 @@ class LLMEngine:
         self.isolator = FaultIsolator(self.runner)
         self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._compiling: list[Sequence] = []  # waiting for their grammars
         self._arrivals = itertools.count()
 
     # -- requests ------------------------------------------------------------------------
@@ -158,8 +164,10 @@ class LLMEngine:
                 a prompt that leaves no room for one token within ``max_model_len``, more
                 parallel samples (``n``) than ``max_num_seqs``, or sampling values this
                 model cannot take (``stop_token_ids`` or ``logit_bias`` ids outside its
-                vocabulary, ``top_k`` or ``logprobs`` larger than it), or a
-                ``response_format`` that does not compile (``GrammarError``).
+                vocabulary, ``top_k`` or ``logprobs`` larger than it). A
+                ``response_format`` compiles beside the steps (the request waits for it);
+                one that does not compile within the budget fails the request alone, its
+                output's ``error`` naming why (``GrammarError``).
         """
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -173,9 +181,9 @@ class LLMEngine:
             )
         self.processor.check_sampling(params)
         token_ids = self.processor.tokenize(prompt)
-        grammar = None
+        compiled = None
         if params.response_format is not None and params.response_format.constrained:
-            grammar = self.structured.matcher(params.response_format)
+            compiled = self.structured.compile(params.response_format)
         now = time.monotonic()
         metrics = RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids))
         seq = Sequence(
@@ -186,10 +194,12 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             cache_salt=cache_salt,
-            grammar=grammar,
+            pending_grammar=compiled,
         )
         self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
         self.scheduler.add(seq)
+        if compiled is not None:
+            self._compiling.append(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; the next :meth:`step` reports it (``abort``)."""
@@ -221,15 +231,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; return the requests that progressed or finished."""
         outputs, self._aborted = self._aborted, []
+        outputs += self._take_grammars()
         if not self.scheduler.has_unfinished():
             return outputs
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self._compiling:  # nothing runs until a grammar is ready: wait for one
+                wait([s.pending_grammar for s in self._compiling if s.pending_grammar],
+                     timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             return outputs
         sampled, faults = self.isolator.run(batch)
         if faults:
             batch = batch.without(set(faults))
-            outputs += [self._fail(request_id, error) for request_id, error in faults.items()]
+            outputs += [self._fail(request_id, f"failed in the engine step: {error}")
+                        for request_id, error in faults.items()]
         update = self.scheduler.update(batch, sampled)
         for child in update.forked:
             self._requests[child.request_id].seqs.append(child)
@@ -247,18 +262,38 @@ class LLMEngine:
                 continue
             if finished:
                 del self._requests[request_id]
-        outputs += [self._fail(request_id, error) for request_id, error in failed.items()]
+        outputs += [self._fail(request_id, f"failed in the engine step: {error}")
+                    for request_id, error in failed.items()]
+        return outputs
+
+    def _take_grammars(self) -> list[RequestOutput]:
+        """Hand the compiled grammars to their sequences (the scheduler admits them now);
+        a request whose format did not compile fails alone."""
+        import xgrammar as xgr
+
+        outputs = []
+        done = [s for s in self._compiling if s.pending_grammar and s.pending_grammar.done()]
+        for seq in done:
+            self._compiling.remove(seq)
+            future, seq.pending_grammar = seq.pending_grammar, None
+            assert future is not None
+            if seq.is_finished:  # aborted while it compiled
+                continue
+            error = future.exception()
+            if error is None:
+                seq.grammar = xgr.GrammarMatcher(future.result())
+            else:
+                outputs.append(self._fail(seq.request_id, str(error)))
         return outputs
 
     def _fail(self, request_id: str, error: str) -> RequestOutput:
-        """End a request that made a step fail: its blocks are freed, and those only it held
-        leave the prefix cache (the forward that should have filled them may not have)."""
+        """End a request with ``error``: its blocks are freed, and those only it held leave
+        the prefix cache (the forward that should have filled them may not have)."""
         req = self._requests.pop(request_id)
         live = [s for s in req.seqs if not s.is_finished]
         for seq in live:
             self.kv.forget(seq)
         self.scheduler.finish(live, FinishReason.ERROR)
-        error = f"failed in the engine step: {error}"
         try:
             out = self._output(req, finished=True)
         except Exception:  # its text cannot be decoded either: the error alone

@@ -184,6 +184,8 @@ class Scheduler:
                 break
             if first_swapped is not None and seq.sort_key() > first_swapped:
                 break
+            if seq.pending_grammar is not None:
+                continue  # its grammar is compiling: the others go ahead
             cached = self.kv.find_cached_prefix(seq)
             start = len(cached) * self.kv.block_size
             if len(cached) < len(seq.block_hashes) and seq.block_hashes[len(cached)] in in_flight:

@@ -13,6 +13,8 @@ from engine.outputs import FinishReason, RequestMetrics
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import xgrammar as xgr
 
 _seq_ids = itertools.count()
@@ -56,6 +58,8 @@ class Sequence:
     fork_generators: list[torch.Generator] = field(default_factory=list)  # seeded children's
     logprobs: list[dict[int, float]] = field(default_factory=list)
     grammar: xgr.GrammarMatcher | None = None  # follows the output of a constrained request
+    # Its grammar still compiling: the scheduler admits it once this is done (and cleared).
+    pending_grammar: Future[xgr.CompiledGrammar] | None = None
     grammar_error: str | None = None  # a sampled token the grammar refused
 
     def __post_init__(self) -> None:

@@ -7,15 +7,16 @@ thread), applies them to the logits on their device, and each sequence's matcher
 the token it sampled (``Sequence.append``). The masks of a step are filled on a thread of their
 own while the model's forward runs.
 
-Compiled grammars are cached by the format's hash (``ResponseFormat.key``): thousands of jobs
-that share one schema compile it once per engine. Preemption keeps a sequence's output and so
-its matcher; a forked sample (``n > 1``) gets a copy of its parent's matcher.
+Formats compile in a process of their own, within a time and memory budget
+(``engine.grammar_process``), while the engine steps; a constrained request waits in the
+scheduler until its grammar is ready. Compiled grammars are cached by the format's hash
+(``ResponseFormat.key``): thousands of jobs that share one schema compile it once per engine.
+Preemption keeps a sequence's output and so its matcher; a forked sample (``n > 1``) gets a
+copy of its parent's matcher.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.grammar_process import CompileBudget, GrammarCompiler, GrammarError
 from engine.sampling_params import ResponseFormat
 from kernels import native
 
@@ -32,12 +34,8 @@ if TYPE_CHECKING:
 
 # Compiled grammars kept per engine; a schema's grammar is a few hundred kB at most.
 CACHE_ENTRIES = 512
-# xgrammar prefixes its errors with a time and a source location: "[12:00:00] path.cc:81: ".
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-
-
-class GrammarError(ValueError):
-    """A response format the grammar library refuses (an unsupported schema, a bad regex)."""
+DEFAULT_BUDGET = CompileBudget(timeout_s=30.0, memory_bytes=2 << 30)
+__all__ = ["CompileBudget", "GrammarError", "StructuredOutput"]
 
 
 class StructuredOutput:
@@ -51,75 +49,64 @@ class StructuredOutput:
             engine's fused CPU ops are built); else xgrammar's own kernels apply the masks
             where the logits are (its CUDA/Triton ones for logits on a GPU; today the runner
             samples on the host).
+        budget: what compiling one format may take (``engine.grammar_process``).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int,
-                 stop_token_ids: frozenset[int], native: bool = False) -> None:
+                 stop_token_ids: frozenset[int], native: bool = False,
+                 budget: CompileBudget = DEFAULT_BUDGET) -> None:
         self._tokenizer = tokenizer
         self._native = native
+        self._budget = budget
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._info: xgr.TokenizerInfo | None = None  # built at the first use
         self._info_lock = threading.Lock()
         self._vocab: list[bytes] | None = None
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler: GrammarCompiler | None = None
         self._batch: xgr.BatchGrammarMatcher | None = None
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()
+        self._pending: dict[str, Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.RLock()  # a compile may end while compile() holds it
         self.num_compiles = 0
 
-    def matcher(self, fmt: ResponseFormat) -> xgr.GrammarMatcher:
-        """A fresh matcher for ``fmt``; raises :class:`GrammarError` if it cannot compile."""
-        import xgrammar as xgr
-
-        return xgr.GrammarMatcher(self._compiled(fmt))
-
-    def _compiled(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+    def compile(self, fmt: ResponseFormat) -> Future[xgr.CompiledGrammar]:
+        """``fmt``'s grammar: done at once when cached, else compiled by the grammar process
+        (one compile for all requests that ask for the same format meanwhile). The future
+        fails with :class:`GrammarError` if the format cannot compile within the budget."""
         key = fmt.key
         with self._lock:
             grammar = self._cache.get(key)
             if grammar is not None:
                 self._cache.move_to_end(key)
-                return grammar
-            try:
-                grammar = self._compile(fmt)
-            except RuntimeError as exc:
-                raise GrammarError(f"response_format ({fmt.type}): "
-                                   f"{_LOCATION.sub('', str(exc)).strip()}") from None
+                done: Future[xgr.CompiledGrammar] = Future()
+                done.set_result(grammar)
+                return done
+            future = self._pending.get(key)
+            if future is None:
+                if self._compiler is None:
+                    self._compiler = GrammarCompiler(self._tokenizer_info(), self._budget)
+                future = self._pending[key] = self._compiler.submit(fmt)
+                future.add_done_callback(lambda f: self._compiled(key, f))
+            return future
+
+    def matcher(self, fmt: ResponseFormat) -> xgr.GrammarMatcher:
+        """A fresh matcher for ``fmt``, waiting for its compile; raises
+        :class:`GrammarError` if it cannot compile."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(fmt).result())
+
+    def _compiled(self, key: str, future: Future[xgr.CompiledGrammar]) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+            if future.exception() is not None:
+                return  # not kept: the next request tries again
             self.num_compiles += 1
-            self._cache[key] = grammar
+            self._cache[key] = future.result()
             if len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
-            return grammar
-
-    def _compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
-        compiler = self._get_compiler()
-        if fmt.type == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if fmt.type == "json_schema":
-            assert fmt.json_schema is not None  # checked by ResponseFormat
-            return compiler.compile_json_schema(json.dumps(fmt.json_schema.schema),
-                                                any_whitespace=False)
-        if fmt.type == "regex":
-            assert fmt.regex is not None
-            return compiler.compile_regex(fmt.regex)
-        if fmt.type == "choice":
-            assert fmt.choice is not None
-            # EBNF string literals take JSON's escapes.
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in fmt.choice)
-            return compiler.compile_grammar(f"root ::= {alternatives}")
-        if fmt.type == "grammar":
-            assert fmt.grammar is not None
-            return compiler.compile_grammar(fmt.grammar)
-        raise GrammarError(f"response_format of type {fmt.type!r} has no grammar")
-
-    def _get_compiler(self) -> xgr.GrammarCompiler:
-        if self._compiler is None:
-            import xgrammar as xgr
-
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=2)
-        return self._compiler
 
     def _tokenizer_info(self) -> xgr.TokenizerInfo:
         with self._info_lock:

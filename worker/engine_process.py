@@ -16,14 +16,11 @@ reading events, so the loop never blocks on the child.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
-import selectors
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -33,6 +30,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from engine.config import EngineConfig
+from engine.ipc import Frames, die_with_parent, pack
 from worker.engine_thread import IDLE_WAIT_S, serve
 from worker.messages import (
     CODEC,
@@ -53,61 +51,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("!I")
-READ_CHUNK = 1 << 20
 EXIT_WAIT_S = 10.0
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # -- the wire ------------------------------------------------------------------------------------
 
 def frame(message: msgspec.Struct) -> bytes:
-    """One message as sent: its length (4 bytes, big-endian), then its msgpack."""
-    payload = CODEC.encode(message)
-    return _LENGTH.pack(len(payload)) + payload
+    """One message as sent: its length, then its msgpack (:func:`engine.ipc.pack`)."""
+    return pack(CODEC.encode(message))
 
-
-class Frames:
-    """Message payloads read from a socket: :meth:`read` returns the complete ones that
-    arrived, each to be decoded by the side's ``CODEC`` method."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = bytearray()
-        self._ready = selectors.DefaultSelector()  # not select(): fds past 1024 are fine
-        self._ready.register(sock, selectors.EVENT_READ)
-
-    def read(self, timeout_s: float | None) -> list[bytes] | None:
-        """Wait up to ``timeout_s`` (None: until a message) for messages; None once the other
-        side has closed."""
-        while True:
-            if self._ready.select(timeout_s):
-                try:
-                    chunk = self.sock.recv(READ_CHUNK)
-                except ConnectionResetError:  # closed with our messages unread
-                    return None
-                if not chunk:
-                    return None
-                self._buffer += chunk
-            messages = self._split()
-            if messages or timeout_s is not None:
-                return messages
-
-    def _split(self) -> list[bytes]:
-        messages, at = [], 0
-        buf = self._buffer
-        while len(buf) - at >= _LENGTH.size:
-            (size,) = _LENGTH.unpack_from(buf, at)
-            if len(buf) - at - _LENGTH.size < size:
-                break
-            start = at + _LENGTH.size
-            messages.append(bytes(buf[start:start + size]))
-            at = start + size
-        del buf[:at]
-        return messages
-
-
-# -- the parent's side ---------------------------------------------------------------------------
 
 class EngineStartError(RuntimeError):
     """The engine process could not build its engine (the message says why)."""
@@ -209,24 +161,11 @@ class EngineProcess:
 
 # -- the child's side ----------------------------------------------------------------------------
 
-def _die_with(parent_pid: int) -> None:
-    """SIGKILL this process when its parent dies (Linux), however it dies: a killed worker
-    must not leave its engine running (in a long grammar compile it would not read the
-    socket for minutes). The signal follows the thread that started the child, so the
-    worker builds its engine process on its main thread."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(1)
-
-
 def child_main(fd: int, parent_pid: int) -> int:
     """The engine process: build the engine from the parent's config, then :func:`serve` it
     until the parent says stop or goes away."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    _die_with(parent_pid)
+    die_with_parent(parent_pid)
     # Signals are the parent's business: it drains, then tells this process to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -1,0 +1,78 @@
+"""Length-prefixed messages over a socket, for the engine's child processes (the worker's
+engine process, the grammar compiler's process). What a message holds is the caller's codec:
+msgspec, never pickle."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct("!I")
+READ_CHUNK = 1 << 20
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (Linux), however it dies: a child busy for
+    minutes between two reads of its socket (a long grammar compile) would not notice. The
+    signal follows the parent's thread that started the child, so that thread must live as
+    long as the child should."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # it died before the line above
+        os._exit(1)
+
+
+def pack(payload: bytes) -> bytes:
+    """One message as sent: its length (4 bytes, big-endian), then its payload."""
+    return _LENGTH.pack(len(payload)) + payload
+
+
+class Frames:
+    """Message payloads read from a socket: :meth:`read` returns the complete ones that
+    arrived."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = bytearray()
+        self._ready = selectors.DefaultSelector()  # not select(): fds past 1024 are fine
+        self._ready.register(sock, selectors.EVENT_READ)
+
+    def read(self, timeout_s: float | None) -> list[bytes] | None:
+        """Wait up to ``timeout_s`` (None: until a message) for messages; None once the other
+        side has closed."""
+        while True:
+            if self._ready.select(timeout_s):
+                try:
+                    chunk = self.sock.recv(READ_CHUNK)
+                except ConnectionResetError:  # closed with our messages unread
+                    return None
+                if not chunk:
+                    return None
+                self._buffer += chunk
+            messages = self._split()
+            if messages or timeout_s is not None:
+                return messages
+
+    def _split(self) -> list[bytes]:
+        messages, at = [], 0
+        buf = self._buffer
+        while len(buf) - at >= _LENGTH.size:
+            (size,) = _LENGTH.unpack_from(buf, at)
+            if len(buf) - at - _LENGTH.size < size:
+                break
+            start = at + _LENGTH.size
+            messages.append(bytes(buf[start:start + size]))
+            at = start + size
+        del buf[:at]
+        return messages
