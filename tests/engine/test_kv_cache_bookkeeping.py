@@ -1,5 +1,6 @@
 """KV cache bookkeeping the allocator tests leave out: after a failed step, the prefix cache
-forgets the blocks only the failed sequence held and keeps those others share."""
+forgets the blocks only the failed sequence held and keeps those others share; a swap round
+trip leaves each sequence in exactly one pool."""
 
 from __future__ import annotations
 
@@ -48,3 +49,20 @@ def test_a_failed_sequence_leaves_the_prefix_blocks_it_shares() -> None:
     assert kv.pool.block_hash[own] is None
     again = make_seq([*range(8), 50, 51, 52, 53, 54])
     assert kv.find_cached_prefix(again) == first.block_table[:2]
+
+
+def test_a_swap_round_trip_leaves_the_sequence_in_one_pool() -> None:
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False, num_host_blocks=4)
+    seq = make_seq(list(range(10)))
+    kv.allocate_slots(seq, 10)
+    seq.num_computed_tokens = 10
+    device = list(seq.block_table)
+    copies_out = kv.swap_out(seq)
+    assert seq.block_table == [] and len(seq.host_block_table) == 3
+    assert copies_out == list(zip(device, seq.host_block_table, strict=True))
+    host = list(seq.host_block_table)
+    copies_in = kv.swap_in(seq)
+    assert seq.host_block_table == [] and len(seq.block_table) == 3
+    assert copies_in == list(zip(host, seq.block_table, strict=True))
+    assert kv.host_pool is not None and kv.host_pool.num_free_blocks == 4
+    assert kv.pool.num_free_blocks == 1
