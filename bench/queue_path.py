@@ -127,8 +127,7 @@ class NullEngine:
         return EngineStats(
             num_running=len(self._running), num_waiting=len(self._waiting), num_swapped=0,
             num_kv_blocks_total=1, num_kv_blocks_free=1, kv_usage=0.0, kv_bytes_per_block=0,
-            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0, num_swaps=0,
-            num_prompt_tokens=0, num_generated_tokens=self._generated, num_steps=self._steps,
+            num_generated_tokens=self._generated, num_steps=self._steps,
             num_batched_tokens=self._generated)
 
 

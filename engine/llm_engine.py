@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -349,9 +349,9 @@ class LLMEngine:
         )
 
     def stats(self) -> EngineStats:
-        c = self.scheduler.counters
         pool = self.kv.pool
         return EngineStats(
+            **asdict(self.scheduler.counters),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_swapped=len(self.scheduler.swapped),
@@ -359,14 +359,6 @@ class LLMEngine:
             num_kv_blocks_free=pool.num_free_blocks,
             kv_usage=pool.usage(),
             kv_bytes_per_block=self.info.kv_bytes_per_block,
-            prefix_cache_queries=c.prefix_cache_queries,
-            prefix_cache_hits=c.prefix_cache_hits,
-            num_preemptions=c.num_preemptions,
-            num_swaps=c.num_swaps,
-            num_prompt_tokens=c.num_prompt_tokens_computed,
-            num_generated_tokens=c.num_generated_tokens,
-            num_steps=c.num_steps,
-            num_batched_tokens=c.num_batched_tokens,
             num_grammar_compiles=self.structured.num_compiles,
         )
 

@@ -69,8 +69,23 @@ class RequestOutput:
 
 
 @dataclass
-class EngineStats:
-    """Engine-wide counters (cumulative) and gauges (current)."""
+class SchedulerCounters:
+    """What the scheduler has done since the engine started (cumulative)."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_swaps: int = 0  # of those, preemptions that swapped the KV out rather than dropping it
+    num_prompt_tokens: int = 0  # prefill tokens actually run through the model
+    num_generated_tokens: int = 0
+    num_steps: int = 0
+    num_batched_tokens: int = 0  # tokens run through the model, all steps
+
+
+@dataclass(kw_only=True)
+class EngineStats(SchedulerCounters):
+    """Engine-wide counters (cumulative: the scheduler's, and grammar compiles) and gauges
+    (current)."""
 
     num_running: int
     num_waiting: int
@@ -79,14 +94,6 @@ class EngineStats:
     num_kv_blocks_free: int
     kv_usage: float
     kv_bytes_per_block: int
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found cached
-    num_preemptions: int
-    num_swaps: int  # preemptions that swapped the KV out rather than dropping it
-    num_prompt_tokens: int  # prefill tokens computed by the model
-    num_generated_tokens: int
-    num_steps: int
-    num_batched_tokens: int  # tokens run through the model, all steps
     num_grammar_compiles: int = 0  # response formats compiled (each distinct one once)
 
     @property

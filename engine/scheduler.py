@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.outputs import FinishReason
+from engine.outputs import FinishReason, SchedulerCounters
 from engine.sampler import Sampled
 from engine.sequence import Sequence, SequenceStatus
 
@@ -71,18 +71,6 @@ class StepUpdate:
     progressed: list[Sequence]  # produced a token this step, forks included, in batch order
     forked: list[Sequence] = field(default_factory=list)  # samples born this step (n > 1)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its check raised
-
-
-@dataclass
-class SchedulerCounters:
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found
-    num_preemptions: int = 0
-    num_swaps: int = 0  # of those, preemptions that swapped the KV out
-    num_prompt_tokens_computed: int = 0  # prefill tokens actually run through the model
-    num_generated_tokens: int = 0
-    num_steps: int = 0
-    num_batched_tokens: int = 0
 
 
 class Scheduler:
@@ -234,7 +222,7 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         if start < seq.num_prompt_tokens:
-            self.counters.num_prompt_tokens_computed += min(n, seq.num_prompt_tokens - start)
+            self.counters.num_prompt_tokens += min(n, seq.num_prompt_tokens - start)
         blocks = len(seq.block_table)
         if blocks > seq.metrics.peak_kv_blocks:
             seq.metrics.peak_kv_blocks = blocks

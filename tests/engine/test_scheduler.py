@@ -125,7 +125,7 @@ def test_shared_prefix_in_one_step_is_computed_once() -> None:
     out, _ = step(sched)
     assert [s.num_new_tokens for s in out.seqs] == [53, 5, 5, 5]
     assert [s.metrics.num_cached_tokens for s in seqs] == [0, 48, 48, 48]
-    assert sched.counters.num_prompt_tokens_computed == 53 + 3 * 5
+    assert sched.counters.num_prompt_tokens == 53 + 3 * 5
 
 
 def test_waiting_requests_wait_for_a_prefix_being_chunked() -> None:
@@ -139,7 +139,7 @@ def test_waiting_requests_wait_for_a_prefix_being_chunked() -> None:
     out, _ = step(sched)  # first finishes its prompt; second reuses all three blocks
     assert [s.seq for s in out.seqs] == [first, second]
     assert second.metrics.num_cached_tokens == 48
-    assert sched.counters.num_prompt_tokens_computed == 53 + 5
+    assert sched.counters.num_prompt_tokens == 53 + 5
 
 
 def test_preemption_takes_the_latest_and_resumes_it_first() -> None:
@@ -178,7 +178,7 @@ def test_swap_out_keeps_the_computed_tokens_and_swap_in_comes_before_admissions(
     while sched.has_unfinished():
         step(sched)
     assert a.num_output_tokens == b.num_output_tokens == 20 and c.num_output_tokens == 2
-    assert sched.counters.num_prompt_tokens_computed == 32 + 32 + 10
+    assert sched.counters.num_prompt_tokens == 32 + 32 + 10
 
 
 def test_an_urgent_request_goes_before_a_swapped_one() -> None:
