@@ -66,3 +66,27 @@ def test_a_swap_round_trip_leaves_the_sequence_in_one_pool() -> None:
     assert copies_in == list(zip(host, seq.block_table, strict=True))
     assert kv.host_pool is not None and kv.host_pool.num_free_blocks == 4
     assert kv.pool.num_free_blocks == 1
+
+
+def test_swap_in_takes_from_the_prefix_cache_only_blocks_already_computed() -> None:
+    kv = KVCacheManager(8, BS, enable_prefix_caching=True, num_host_blocks=4)
+    tokens = list(range(10))
+    partial = make_seq(tokens)
+    kv.allocate_slots(partial, 2)  # a first chunk of 2 tokens: block 0 not full yet
+    partial.num_computed_tokens = 2
+    full = make_seq(tokens)
+    kv.allocate_slots(full, 10)  # registers blocks [0, 4) and [4, 8) of the same tokens
+    ((_, host_block),) = kv.swap_out(partial)
+    copies = kv.swap_in(partial)
+    # Its 2 computed tokens come back from the host; the cached blocks are for later chunks.
+    assert [src for src, _ in copies] == [host_block] and len(partial.block_table) == 1
+    assert partial.block_table[0] not in full.block_table
+
+
+def test_usage_is_the_fraction_of_blocks_held() -> None:
+    pool = BlockPool(4)
+    assert pool.usage() == 0.0
+    pool.allocate(1)
+    assert pool.usage() == 0.25
+    pool.allocate(3)
+    assert pool.usage() == 1.0
