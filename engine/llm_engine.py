@@ -20,7 +20,8 @@ from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineStats, FinishReason, RequestMetrics, RequestOutput
-from engine.processor import Processor, Prompt
+from engine.processor import Processor
+from engine.prompts import Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

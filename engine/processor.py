@@ -8,11 +8,11 @@ from collections.abc import Sequence as Seq
 from transformers import PreTrainedTokenizerBase
 
 from engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
+from engine.prompts import Prompt
 from engine.runtime import RuntimeInfo
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-Prompt = str | list[int] | list[dict[str, str]]
 # Tokens decoded past the longest stop string when looking for it in new output.
 _STOP_WINDOW_EXTRA_TOKENS = 8
 

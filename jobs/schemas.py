@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic_core import PydanticSerializationError
 
 from engine.outputs import FinishReason
+from engine.prompts import TextOrChat
 from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
 
@@ -212,7 +213,7 @@ class JobSpec(_Strict):
             copy.__dict__.pop("wire_json", None)
         return copy
 
-    def engine_prompt(self, chat: bool) -> str | list[dict[str, str]]:
+    def engine_prompt(self, chat: bool) -> TextOrChat:
         """What the engine takes: chat messages or raw text.
 
         Args:

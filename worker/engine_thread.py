@@ -21,10 +21,11 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from worker.messages import Add, Command, Crashed, Event, Prompt, Rejected, Stepped, Stop
+from worker.messages import Add, Command, Crashed, Event, Rejected, Stepped, Stop
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
+    from engine.prompts import TextOrChat
     from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ IDLE_STATS_INTERVAL_S = 1.0
 class Engine(Protocol):
     """The streaming core of an engine, as the worker drives it (``engine.LLMEngine``)."""
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: TextOrChat, params: SamplingParams, *,
                     priority: int = 0) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...

@@ -15,9 +15,8 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
+from engine.prompts import TextOrChat
 from engine.sampling_params import SamplingParams
-
-Prompt = str | list[dict[str, str]]  # plain text, or chat messages for the chat template
 
 # -- to the engine -------------------------------------------------------------------------------
 
@@ -30,7 +29,7 @@ class Start(msgspec.Struct, frozen=True, tag="start"):
 
 class Add(msgspec.Struct, frozen=True, tag="add"):
     job_id: str
-    prompt: Prompt
+    prompt: TextOrChat
     params: SamplingParams
     priority: int = 0
 
