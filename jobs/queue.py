@@ -36,9 +36,12 @@ DEAD_LETTER_MAXLEN = 100_000
 # idle fleet is not scattered by whichever worker wakes first.
 STEAL_AFTER_MS = 250
 
-# Lua: the last id delivered to ``group`` in ``stream`` (entries after it are undelivered),
+# Lua: the stream fields' names as locals, from ``jobs.constants`` (the scripts spell none),
+# and the last id delivered to ``group`` in ``stream`` (entries after it are undelivered),
 # creating the group, and the stream, where missing.
-_LAST_DELIVERED = """
+_PRELUDE = "".join(f"local {name} = '{value}'\n" for name, value in (
+    ("FIELD_ID", FIELD_ID), ("FIELD_JOB", FIELD_JOB), ("FIELD_PRIORITY", FIELD_PRIORITY),
+    ("FIELD_SEQ", FIELD_SEQ))) + """
 local function last_delivered(stream, group)
   local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', stream)
   if ok then
@@ -62,13 +65,13 @@ end
 # already delivered are never moved. Creates the group if missing. KEYS[1] the stream;
 # ARGV[1] the group, then (job id, job JSON, priority, seq) for each new entry in arrival
 # order, where seq is its number in the model's arrivals (kept when the entry moves).
-_ENQUEUE = _LAST_DELIVERED + """
+_ENQUEUE = _PRELUDE + """
 local stream, group = KEYS[1], ARGV[1]
 local entries, best = {}, nil
 for i = 2, #ARGV, 4 do
   local p = tonumber(ARGV[i + 2])
-  entries[#entries + 1] = {fields = {'id', ARGV[i], 'job', ARGV[i + 1], 'priority', ARGV[i + 2],
-                                     'seq', ARGV[i + 3]},
+  entries[#entries + 1] = {fields = {FIELD_ID, ARGV[i], FIELD_JOB, ARGV[i + 1],
+                                     FIELD_PRIORITY, ARGV[i + 2], FIELD_SEQ, ARGV[i + 3]},
                            priority = p}
   if best == nil or p < best then best = p end
 end
@@ -79,7 +82,7 @@ if best ~= nil then
   for _, e in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do
     local fields, p = e[2], 0
     for j = 1, #fields, 2 do
-      if fields[j] == 'priority' then p = tonumber(fields[j + 1]) or 0 end
+      if fields[j] == FIELD_PRIORITY then p = tonumber(fields[j + 1]) or 0 end
     end
     if p > best then moving = true end
     if moving then moved[#moved + 1] = {id = e[1], fields = fields, priority = p} end
@@ -107,14 +110,14 @@ return ids
 # Delivers up to ARGV[3] entries from the streams KEYS to consumer ARGV[2] of group ARGV[1]
 # (created where missing), choosing them by ARGV[4]:
 #   'merge': the best (priority, arrival) first across all the streams, as if they were one
-#            stream (each stream's undelivered part is in that order, and 'seq' numbers the
+#            stream (each stream's undelivered part is in that order, and FIELD_SEQ numbers the
 #            model's arrivals: _ENQUEUE);
 #   'drain': whole streams in turn, the one whose next entry has the best priority first, and
 #            among equals the one with the most undelivered entries (a thief takes runs of one
 #            prefix, not a job of each); only streams whose next entry was added ARGV[5] ms
 #            ago or earlier (its owner had the time to take it).
 # Returns XREADGROUP's reply: {stream, entries} for each stream read.
-_READ = _LAST_DELIVERED + """
+_READ = _PRELUDE + """
 local group, consumer, count, mode = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local now = redis.call('TIME')
 local added_before = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -125,8 +128,8 @@ local function field(fields, name)
   end
   return nil
 end
-local function priority(fields) return tonumber(field(fields, 'priority')) or 0 end
-local function arrival(fields) return tonumber(field(fields, 'seq')) or 0 end
+local function priority(fields) return tonumber(field(fields, FIELD_PRIORITY)) or 0 end
+local function arrival(fields) return tonumber(field(fields, FIELD_SEQ)) or 0 end
 local streams = {}
 for i, key in ipairs(KEYS) do
   local last = last_delivered(key, group)
