@@ -50,7 +50,7 @@ from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
 from worker.persist import ResultWriter
-from worker.retry import Backoff, short_error
+from worker.retry import RedisBackoff, short_error
 from worker.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -120,7 +120,9 @@ class Worker:
         self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
-        self.results = ResultWriter(self.deliveries, self.worker_id, self.queue, self.metrics)
+        self.redis_backoff = RedisBackoff()
+        self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox,
+                                    self.redis_backoff, self.metrics)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
                                    s.window)
         self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.database)),
@@ -131,7 +133,6 @@ class Worker:
                              self.metrics, self.limits, worker_id=self.worker_id,
                              model_name=s.model_name, max_deliveries=s.max_deliveries,
                              lease_ttl_s=s.lease_ttl_s, affinity=s.affinity)
-        self._redis_backoff = Backoff()
         self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()
         self._drain_until: float | None = None
@@ -201,7 +202,7 @@ class Worker:
         """One pass of the loop; False if the engine crashed."""
         now = time.time()
         self.heartbeat.progress()
-        self._redis_io(now, self._pull_pass)
+        self.redis_backoff.call(now, lambda: self._pull_pass(now))
         self._decide(now)
         self._expire_overdue(now)
         poll_s = self.settings.poll_interval_ms / 1000
@@ -209,19 +210,8 @@ class Worker:
             return False
         if not self.held and self.results and not self.free_capacity():
             self.results.wait_stored(poll_s)  # the pull waits on the writer: no busy loop
-        self._redis_io(time.time(), lambda _now: self.outbox.flush())
+        self.redis_backoff.call(time.time(), self.outbox.flush)
         return True
-
-    def _redis_io(self, now: float, step: Any) -> None:
-        if not self._redis_backoff.ready(now):
-            return
-        try:
-            step(now)
-            self._redis_backoff.ok()
-        except redis.RedisError as exc:
-            self._redis_backoff.failed(now)
-            log.warning("redis unavailable (%s); retrying in %.1fs", exc,
-                        self._redis_backoff.retry_at - now)
 
     def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
@@ -351,8 +341,8 @@ class Worker:
         if not count_attempt:
             self._collect(wait_s=0)
         self.results.last_flush()
-        self._redis_backoff.ok()
-        self._redis_io(time.time(), lambda _now: self.outbox.flush())
+        self.redis_backoff.reset()  # the outbox once more: the writer may have been too busy
+        self.redis_backoff.call(time.time(), self.outbox.flush)
         ids = list(self.held)
         for job_id in ids:
             self.engine.commands.put(Abort(job_id))

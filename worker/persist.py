@@ -17,15 +17,14 @@ import os
 import threading
 import time
 
-import redis
 from sqlalchemy.exc import SQLAlchemyError
 
-from jobs.queue import Delivery, JobQueue
+from jobs.queue import Delivery
 from jobs.schemas import JobStatus, Outcome
 from jobs.store import DeliveryStore
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
-from worker.retry import Backoff, is_outage, short_error
+from worker.retry import Backoff, RedisBackoff, is_outage, short_error
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +41,24 @@ class ResultWriter:
 
     :meth:`add` is safe from any thread; :meth:`flush` is one pass of the writer (its thread
     runs it after :meth:`start`; call it directly only while the thread is not running).
+
+    Args:
+        store: where outcomes are stored.
+        worker_id: the worker named in the stored rows.
+        outbox: the worker's outbox, for the acks and notices of stored results (the writer
+            sends it too).
+        redis_backoff: the worker's Redis backoff, pacing those sends.
+        metrics: counts the jobs finished.
     """
 
-    def __init__(self, store: DeliveryStore, worker_id: str, queue: JobQueue,
-                 metrics: WorkerMetrics) -> None:
+    def __init__(self, store: DeliveryStore, worker_id: str, outbox: Outbox,
+                 redis_backoff: RedisBackoff, metrics: WorkerMetrics) -> None:
         self.store = store
         self.worker_id = worker_id
-        self.outbox = Outbox(queue)  # the acks and notices of stored results
+        self.outbox = outbox
         self.metrics = metrics
         self.backoff = Backoff()  # the database
-        self.redis_backoff = Backoff()
+        self.redis_backoff = redis_backoff
         self._unsaved: list[tuple[Outcome, Delivery | None]] = []
         self._storing = 0  # outcomes of the transaction under way
         self._changed = threading.Condition()
@@ -100,7 +107,7 @@ class ResultWriter:
             log.warning("the result writer is still busy; its results stay unacked")
             return
         self.backoff.ok()
-        self.redis_backoff.ok()
+        self.redis_backoff.reset()
         self.flush()
 
     def _run(self) -> None:
@@ -121,13 +128,8 @@ class ResultWriter:
         """Store what waits in one transaction, then send the acks and notices owed."""
         now = time.time() if now is None else now
         self._store(now)
-        if self.outbox and self.redis_backoff.ready(now):
-            try:
-                self.outbox.flush()
-                self.redis_backoff.ok()
-            except redis.RedisError as exc:
-                self.redis_backoff.failed(now)
-                log.warning("redis unavailable (%s); %d acks wait", exc, len(self.outbox.acks))
+        if self.outbox:
+            self.redis_backoff.call(now, self.outbox.flush)
 
     def _store(self, now: float) -> None:
         with self._changed:

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
 from sqlalchemy.exc import DataError, IntegrityError, SQLAlchemyError
+
+log = logging.getLogger(__name__)
 
 BACKOFF_BASE_S = 0.1  # first retry after 0.2 s, doubling
 MAX_BACKOFF_S = 10.0
@@ -26,6 +32,39 @@ class Backoff:
 
     def ok(self) -> None:
         self.failures, self.retry_at = 0, 0.0
+
+
+class RedisBackoff:
+    """The worker's one backoff for Redis, shared by the loop (its pull, its sends) and the
+    result writer (its sends): they talk to one server, so a failure on either thread holds
+    both back. Safe from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._backoff = Backoff()
+
+    def ready(self, now: float) -> bool:
+        with self._lock:
+            return self._backoff.ready(now)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._backoff.ok()
+
+    def call(self, now: float, step: Callable[[], object]) -> None:
+        """Run ``step`` unless backing off; a ``redis.RedisError`` from it is logged and
+        starts (or lengthens) the backoff, a success ends it."""
+        if not self.ready(now):
+            return
+        try:
+            step()
+        except redis.RedisError as exc:
+            with self._lock:
+                self._backoff.failed(now)
+                retry_in_s = self._backoff.retry_at - now
+            log.warning("redis unavailable (%s); retrying in %.1fs", exc, retry_in_s)
+            return
+        self.reset()
 
 
 def is_outage(exc: SQLAlchemyError) -> bool:

@@ -18,7 +18,9 @@ from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore
 from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox
 from worker.persist import ResultWriter
+from worker.retry import RedisBackoff
 
 SQL = all_roles_store()
 MODEL = "tiny"
@@ -36,7 +38,8 @@ def _entries(client: redis.Redis, q: JobQueue) -> int:
 
 def _writer(pg_engine: sa.Engine, worker_id: str, q: JobQueue) -> ResultWriter:
     # Its thread is not started: flush() is one pass, run here.
-    return ResultWriter(DeliveryStore(pg_engine), worker_id, q, WorkerMetrics(MODEL))
+    return ResultWriter(DeliveryStore(pg_engine), worker_id, Outbox(q), RedisBackoff(),
+                        WorkerMetrics(MODEL))
 
 
 def _succeeded(job_id: str) -> Outcome:
