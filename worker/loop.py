@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,11 +98,13 @@ class Worker:
             now on alone uses it.
         redis_client: optional client (``decode_responses=True``); else from ``redis_url``.
         database: optional SQLAlchemy engine; else from ``database_url``.
+        after_commit: passed to the result writer (:class:`~worker.persist.ResultWriter`).
     """
 
     def __init__(self, settings: WorkerSettings, llm: Engine | EngineProcess, *,
                  redis_client: redis.Redis | None = None,
-                 database: Database | None = None) -> None:
+                 database: Database | None = None,
+                 after_commit: Callable[[], None] | None = None) -> None:
         self.settings = s = settings
         self.worker_id = s.worker_id
         # encoding_errors="replace": a stream entry that is not UTF-8 must reach the decision
@@ -122,7 +125,7 @@ class Worker:
         self.outbox = Outbox(self.queue)
         self.redis_backoff = RedisBackoff()
         self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox,
-                                    self.redis_backoff, self.metrics)
+                                    self.redis_backoff, self.metrics, after_commit=after_commit)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
                                    s.window)
         self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.database)),

@@ -13,9 +13,9 @@ blocks the worker.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+from collections.abc import Callable
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -28,10 +28,6 @@ from worker.retry import Backoff, RedisBackoff, is_outage, short_error
 
 log = logging.getLogger(__name__)
 
-# A failpoint for the reliability suite: with KVBATCH_FAILPOINT=exit-after-commit the process
-# dies right after storing results and before acknowledging any of them, the narrowest window
-# of at-least-once delivery. Read once; unset in production.
-EXIT_AFTER_COMMIT = os.environ.get("KVBATCH_FAILPOINT") == "exit-after-commit"
 # While the database or Redis is backing off, the writer looks again this often.
 RETRY_WAIT_S = 0.05
 
@@ -49,16 +45,20 @@ class ResultWriter:
             sends it too).
         redis_backoff: the worker's Redis backoff, pacing those sends.
         metrics: counts the jobs finished.
+        after_commit: called on the writer's thread each time a transaction stored results,
+            before any of them is acknowledged (a test's way to crash in that window).
     """
 
     def __init__(self, store: DeliveryStore, worker_id: str, outbox: Outbox,
-                 redis_backoff: RedisBackoff, metrics: WorkerMetrics) -> None:
+                 redis_backoff: RedisBackoff, metrics: WorkerMetrics, *,
+                 after_commit: Callable[[], None] | None = None) -> None:
         self.store = store
         self.worker_id = worker_id
         self.outbox = outbox
         self.metrics = metrics
         self.backoff = Backoff()  # the database
         self.redis_backoff = redis_backoff
+        self.after_commit = after_commit
         self._unsaved: list[tuple[Outcome, Delivery | None]] = []
         self._storing = 0  # outcomes of the transaction under way
         self._changed = threading.Condition()
@@ -140,8 +140,8 @@ class ResultWriter:
         newly: set[str] | None = None
         try:
             newly = self._finish(batch, now)
-            if newly is not None and EXIT_AFTER_COMMIT:
-                os._exit(137)
+            if newly is not None and self.after_commit is not None:
+                self.after_commit()
         finally:
             with self._changed:  # owed as acks before it stops being owed as outcomes
                 if newly is None:  # not stored: first in line again

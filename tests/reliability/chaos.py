@@ -105,8 +105,10 @@ class WorkerProcs:
         self.procs: list[WorkerProc] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, *, env: dict[str, str] | None = None,
+    def start(self, name: str, *, script: Path | None = None,
               **settings: object) -> WorkerProc:
+        """Start ``python -m worker`` (or ``script``, which takes the same flags) with the
+        suite's defaults overridden by ``settings``."""
         values: dict[str, object] = {
             "model": self.tiny_model, "served_model_name": MODEL, "redis_url": self.redis_url,
             "database_url": self.database_url, "key_prefix": self.keys.prefix,
@@ -115,10 +117,10 @@ class WorkerProcs:
             "reconcile_interval_s": 2.0, "reconcile_grace_s": 2.0, "max_deliveries": 50,
         }
         values.update(settings)
-        cmd = [sys.executable, "-m", "worker"]
+        cmd = [sys.executable, *([str(script)] if script else ["-m", "worker"])]
         for key, value in values.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         log_path = self.log_dir / f"{name}-{len(self.procs)}.log"
         with log_path.open("w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
