@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager
 from engine.outputs import RequestMetrics
@@ -90,3 +92,15 @@ def test_usage_is_the_fraction_of_blocks_held() -> None:
     assert pool.usage() == 0.25
     pool.allocate(3)
     assert pool.usage() == 1.0
+
+
+def test_a_pool_needs_a_block() -> None:
+    with pytest.raises(ValueError, match=r"^num_blocks must be >= 1, got 0$"):
+        BlockPool(0)
+
+
+def test_without_host_blocks_there_is_no_swap() -> None:
+    kv = KVCacheManager(4, BS, enable_prefix_caching=False)
+    seq = make_seq([1, 2])
+    kv.allocate_slots(seq, 2)
+    assert kv.host_pool is None and not kv.can_swap_out(seq)
