@@ -42,7 +42,7 @@ from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore, FeedStore, MaintenanceStore
 from worker.engine_process import EngineProcess
-from worker.engine_thread import Engine, EngineThread
+from worker.engine_thread import Engine, EngineRunner, EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
 from worker.maintenance import UpkeepThread
@@ -77,7 +77,7 @@ class Held:
 
     delivery: Delivery
     spec: JobSpec
-    admitted_at: float  # time.time() when sent to the engine thread
+    admitted_at: float  # time.time() when sent to the runner
     abort_as: JobStatus | None = None  # set when we aborted it: CANCELLED or EXPIRED
     tokens_seen: int = 0
     last_token_s: float | None = None  # time.monotonic() of the last new token
@@ -95,15 +95,15 @@ class Worker:
         llm: the engine: an :class:`~worker.engine_process.EngineProcess` (the engine in a
             child process, as ``kvbatch worker`` runs it), or an engine object (an
             ``engine.LLMEngine``, a test's wrapper) run on a thread of this process, which from
-            now on alone uses it.
+            now on alone uses it. Either way the loop drives it through its :attr:`runner`.
         redis_client: optional client (``decode_responses=True``); else from ``redis_url``.
-        database: optional SQLAlchemy engine; else from ``database_url``.
+        db: optional SQLAlchemy ``Engine`` (the database); else from ``database_url``.
         after_commit: passed to the result writer (:class:`~worker.persist.ResultWriter`).
     """
 
     def __init__(self, settings: WorkerSettings, llm: Engine | EngineProcess, *,
                  redis_client: redis.Redis | None = None,
-                 database: Database | None = None,
+                 db: Database | None = None,
                  after_commit: Callable[[], None] | None = None) -> None:
         self.settings = s = settings
         self.worker_id = s.worker_id
@@ -112,14 +112,14 @@ class Worker:
         self.redis = redis_client or redis.Redis.from_url(
             s.redis_url, decode_responses=True, encoding_errors="replace",
             socket_timeout=REDIS_SOCKET_TIMEOUT_S, socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S)
-        self.database = database or make_engine(
+        self.db = db or make_engine(
             s.database_url, connect_timeout_s=SQL_CONNECT_TIMEOUT_S,
             statement_timeout_s=SQL_STATEMENT_TIMEOUT_S)
-        self.deliveries = DeliveryStore(self.database)
+        self.deliveries = DeliveryStore(self.db)
         self.keys = Keys(s.key_prefix)
         self.queue = JobQueue(self.redis, s.model_name, self.keys)
         self.metrics = WorkerMetrics(s.model_name)
-        self.engine = llm if isinstance(llm, EngineProcess) else EngineThread(llm)
+        self.runner: EngineRunner = llm if isinstance(llm, EngineProcess) else EngineThread(llm)
         self.engine_stats: EngineStats | None = None
         self.held: dict[str, Held] = {}
         self.outbox = Outbox(self.queue)
@@ -128,8 +128,8 @@ class Worker:
                                     self.redis_backoff, self.metrics, after_commit=after_commit)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
                                    s.window)
-        self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.database)),
-                                   MaintenanceStore(self.database), s.reconcile_interval_s,
+        self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.db)),
+                                   MaintenanceStore(self.db), s.reconcile_interval_s,
                                    s.reconcile_grace_s, self.metrics)
         self.limits = JobLimits()
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
@@ -162,7 +162,7 @@ class Worker:
         self.intake.take_back_own()
         self.heartbeat.start()
         self.upkeep.start()
-        self.engine.start()
+        self.runner.start()
         self.results.start()
         log.info("worker %s serving %s", self.worker_id, self.settings.model_name)
         try:
@@ -193,7 +193,7 @@ class Worker:
         self.results.last_flush()  # acks still owed (Redis was down) get one more try
         self.upkeep.stop()
         self.heartbeat.stop()
-        self.engine.stop()
+        self.runner.stop()
         with contextlib.suppress(redis.RedisError):
             if self._pubsub is not None:
                 self._pubsub.close()
@@ -246,8 +246,8 @@ class Worker:
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
         # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
-        self.engine.commands.put(
-            Add(spec.id, spec.engine_prompt(chat=self.engine.has_chat_template), spec.sampling,
+        self.runner.commands.put(
+            Add(spec.id, spec.engine_prompt(chat=self.runner.has_chat_template), spec.sampling,
                 spec.priority))
 
     # -- cancellation and deadlines ----------------------------------------------------------
@@ -273,13 +273,13 @@ class Worker:
         h = self.held.get(job_id)
         if h is not None and h.abort_as is None:
             h.abort_as = status
-            self.engine.commands.put(Abort(job_id))
+            self.runner.commands.put(Abort(job_id))
 
     # -- outputs -----------------------------------------------------------------------------
 
     def _collect(self, wait_s: float) -> bool:
         try:
-            events = self.engine.events
+            events = self.runner.events
             event = events.get(timeout=wait_s) if wait_s else events.get_nowait()
         except queue.Empty:
             return True
@@ -348,7 +348,7 @@ class Worker:
         self.redis_backoff.call(time.time(), self.outbox.flush)
         ids = list(self.held)
         for job_id in ids:
-            self.engine.commands.put(Abort(job_id))
+            self.runner.commands.put(Abort(job_id))
         self.held.clear()
         if ids and not count_attempt:
             try:

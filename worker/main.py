@@ -55,11 +55,11 @@ def preflight(s: WorkerSettings) -> None:
 
     JobLimits()  # a bad KVBATCH_MAX_* value fails here, not after the model loads
 
-    database = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
+    db = make_engine(s.database_url, connect_timeout_s=STARTUP_TIMEOUT_S)
     try:
-        check_schema(database)
+        check_schema(db)
     finally:
-        database.dispose()
+        db.dispose()
 
     client = redis.Redis.from_url(s.redis_url, socket_timeout=STARTUP_TIMEOUT_S,
                                   socket_connect_timeout=STARTUP_TIMEOUT_S)

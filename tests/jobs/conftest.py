@@ -27,7 +27,7 @@ def start_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: Engine):  
         if engine_wrapper is not None:
             engine = engine_wrapper(engine)
         sql = None if database_url else pg_engine  # else the worker connects by itself
-        running = RunningWorker(Worker(settings, engine, database=sql))
+        running = RunningWorker(Worker(settings, engine, db=sql))
         started.append(running)
         return running
 

@@ -42,7 +42,7 @@ def _bare_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine: sa.Engine,
     from worker.loop import Worker
 
     settings = worker_settings(tiny_model, keys, pg_url, **overrides)
-    return Worker(settings, llm=None, redis_client=redis_client, database=pg_engine)
+    return Worker(settings, llm=None, redis_client=redis_client, db=pg_engine)
 
 
 # -- A: a worker restarted under the same id takes back what its last process held ------------

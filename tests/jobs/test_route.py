@@ -67,7 +67,7 @@ def test_a_worker_takes_its_buckets_first_steals_what_waited_and_inherits_the_de
     from worker.main import build_engine
 
     settings = worker_settings(tiny_model, keys, pg_url, worker_id="route-a")
-    worker = Worker(settings, build_engine(settings), database=pg_engine)
+    worker = Worker(settings, build_engine(settings), db=pg_engine)
     q, intake = worker.queue, worker.intake
     live = {"route-a", "route-b"}
     for name in live:

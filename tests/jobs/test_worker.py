@@ -79,7 +79,7 @@ def test_pull_never_exceeds_free_capacity(redis_client: redis.Redis, keys: Keys,
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([_long(i, max_tokens=200) for i in range(30)])
     settings = worker_settings(tiny_model, keys, pg_url, max_num_seqs=4, waiting_buffer=2)
-    worker = Worker(settings, build_engine(settings), database=pg_engine)
+    worker = Worker(settings, build_engine(settings), db=pg_engine)
     assert settings.capacity == 6
     # Checked on the worker's thread, right after each pull: held jobs and undecided
     # deliveries change only on that thread, and unsaved results only shrink meanwhile (the

@@ -131,6 +131,6 @@ def test_tls_urls_are_accepted(keys: Keys) -> None:
         key_prefix=keys.prefix)
     w = Worker(settings, llm=None)  # builds clients; connects to nothing yet
     assert w.redis.connection_pool.connection_class is redis.SSLConnection
-    assert w.database.url.query["sslmode"] == "verify-full"
-    assert w.database.url.drivername == "postgresql+psycopg"
-    assert "pw" not in repr(w.database.url)
+    assert w.db.url.query["sslmode"] == "verify-full"
+    assert w.db.url.drivername == "postgresql+psycopg"
+    assert "pw" not in repr(w.db.url)

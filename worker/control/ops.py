@@ -36,7 +36,7 @@ class Services:
     """Connections shared by the tasks of one control process (all thread-safe)."""
 
     settings: ControlSettings
-    engine: Engine
+    db: Engine
     redis: redis.Redis
     keys: Keys
     webhook_slots: threading.BoundedSemaphore  # POSTs in flight, at most webhook_concurrency
@@ -55,18 +55,18 @@ class Services:
 
     @property
     def maintenance(self) -> MaintenanceStore:
-        return MaintenanceStore(self.engine)
+        return MaintenanceStore(self.db)
 
     @property
     def batches(self) -> BatchStore:
-        return BatchStore(self.engine)
+        return BatchStore(self.db)
 
     @property
     def reader(self) -> JobReader:
-        return JobReader(self.engine)
+        return JobReader(self.db)
 
     def close(self) -> None:
-        self.engine.dispose()
+        self.db.dispose()
         self.redis.close()
 
     def publish_done(self, jobs: list[tuple[str, str]]) -> None:
