@@ -197,5 +197,10 @@ class ApiBatch(Base):
     error_file_id: Mapped[str | None] = mapped_column(String(64))
     # When its output and error files were recorded: until then an ended batch is finalizing.
     files_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Tries at validating it and at writing its files, each counted before the work (a try
+    # that kills its process counts), and the last one's error: past the limit it ends.
+    validate_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    finalize_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text)
     batch: Mapped[Batch] = relationship(primaryjoin="foreign(ApiBatch.id) == Batch.id",
                                         lazy="joined", innerjoin=True, viewonly=True)

@@ -28,9 +28,10 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, BinaryIO
 
 from pydantic import ValidationError
@@ -52,6 +53,7 @@ from jobs.sdk import row_spec, validation_message
 log = logging.getLogger(__name__)
 
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+FILE_KINDS = ("output", "error")  # the files of an ended batch
 MAX_ERRORS = 100  # line errors kept on a failed batch
 CHUNK_ROWS = 1000  # rows per transaction and Redis pipeline when submitting
 _WINDOW = re.compile(r"^([1-9][0-9]{0,3})([hd])$")
@@ -66,6 +68,14 @@ def window_seconds(window: str) -> int:
         raise ApiError(400, f"completion_window {window!r} is not supported: give hours or "
                             "days, as '24h' or '7d'", param="completion_window")
     return int(match[1]) * _WINDOW_S[match[2]]
+
+
+class Phase(StrEnum):
+    """What the runner does to a batch under its lease; tries of each are counted
+    (``api_batches.<phase>_attempts``)."""
+
+    VALIDATE = "validate"
+    FINALIZE = "finalize"
 
 
 @dataclass
@@ -182,38 +192,45 @@ class BatchRunner:
 
     def advance(self, row: ApiBatch) -> None:
         """One step for batch ``row``: start validating it or writing its files (in the
-        pool), or see whether it ended."""
+        pool), or see whether it ended (a validating one too: past its window it expires)."""
         status = BatchStatus(row.batch.status)
         if status is BatchStatus.VALIDATING:
-            self._start(row.id, self._validate)
+            if not self._expired(row.id):
+                self._start(row.id, Phase.VALIDATE)
         elif ((status is BatchStatus.IN_PROGRESS and self._ended(row.id))
               or (status.ended and status is not BatchStatus.FAILED and row.files_at is None)):
-            self._start(row.id, self._finalize)
+            self._start(row.id, Phase.FINALIZE)
+
+    def _expired(self, batch_id: str) -> bool:
+        """The batch's expiry (the control plane's too); True if it expired now."""
+        expired = self.batches.expire_batches(time.time(), batch_ids=[batch_id])
+        for jobs in expired.values():
+            announce_ended(self.client.redis, self.client.keys, JobStatus.EXPIRED, jobs)
+        return bool(expired)
 
     def _ended(self, batch_id: str) -> bool:
         """The batch's expiry and completion check (the control plane's too); True once it
         ended."""
-        now = time.time()
-        expired = self.batches.expire_batches(now, batch_ids=[batch_id])
-        for jobs in expired.values():
-            announce_ended(self.client.redis, self.client.keys, JobStatus.EXPIRED, jobs)
         # settle time 0: an HTTP batch's rows were all stored before it started
-        return bool(expired or self.batches.complete_batches(now, 0.0, batch_ids=[batch_id]))
+        return self._expired(batch_id) or bool(
+            self.batches.complete_batches(time.time(), 0.0, batch_ids=[batch_id]))
 
-    def _start(self, batch_id: str, work: Callable[[ApiBatch, Lease], None]) -> None:
+    def _start(self, batch_id: str, phase: Phase) -> None:
         with self._lock:
             if batch_id in self._busy:
                 return
             self._busy.add(batch_id)
-        self._pool.submit(self._leased, batch_id, work)
+        self._pool.submit(self._leased, batch_id, phase)
 
     def lease(self, batch_id: str) -> Lease:
         """The lease of batch ``batch_id`` (not taken yet)."""
         return Lease(self.client.redis, self.client.keys.batch_lease(batch_id),
                      self.settings.lease_s)
 
-    def _leased(self, batch_id: str, work: Callable[[ApiBatch, Lease], None]) -> None:
-        """``work`` on ``batch_id`` under its lease (nothing if another holds it)."""
+    def _leased(self, batch_id: str, phase: Phase) -> None:
+        """``phase`` of ``batch_id`` under its lease (nothing if another holds it): one more
+        try, counted before the work; past :attr:`ApiSettings.max_attempts` tries the batch
+        ends without it (:meth:`_give_up`)."""
         lease = self.lease(batch_id)
         try:
             if lease.acquire():
@@ -221,16 +238,47 @@ class BatchRunner:
                     row = self.records.get(ApiBatch, None, batch_id)
                     if row is not None and lease.token is not None and self.batches.fence(
                             batch_id, lease.token):
-                        work(row, lease)
+                        self._attempt(row, phase, lease)
                 finally:
                     lease.release()
         except LeaseLost:
             log.warning("batch %s: the lease went to another process", batch_id)
         except Exception:  # the batch is taken up again next round
-            log.exception("batch %s: %s failed", batch_id, work.__name__)
+            log.exception("batch %s: %s failed", batch_id, phase)
         finally:
             with self._lock:
                 self._busy.discard(batch_id)
+
+    def _attempt(self, row: ApiBatch, phase: Phase, lease: Lease) -> None:
+        tries = self.records.begin_attempt(row.id, phase)
+        if tries > self.settings.max_attempts:
+            self._give_up(row, phase, tries - 1, lease)
+            return
+        work = self._validate if phase is Phase.VALIDATE else self._finalize
+        try:
+            work(row, lease)
+        except LeaseLost:
+            raise
+        except Exception as exc:
+            self.records.note_error(row.id, f"{type(exc).__name__}: {exc}")
+            raise
+
+    def _give_up(self, row: ApiBatch, phase: Phase, tries: int, lease: Lease) -> None:
+        """End batch ``row`` after ``tries`` failed tries at ``phase``: a validating batch
+        fails, an ended one is recorded without its files; the reason is in its errors."""
+        why = row.last_error or "the process doing it stopped"
+        assert lease.token is not None
+        if phase is Phase.VALIDATE:
+            self._fail(row.id, [LineError("validation_failed", f"the input file could not be "
+                                          f"validated in {tries} tries: {why}")], lease)
+            return
+        for kind in FILE_KINDS:  # a file a try wrote but could not record
+            self.storage.delete(_file_id(row, kind))
+        self.records.set_errors(row.id, {"object": "list", "data": [LineError(
+            "output_failed", f"the output files could not be written in {tries} tries: "
+                             f"{why}").entry()]})
+        if self.records.record_files(row.id, [], lease.token):
+            log.warning("batch %s %s without its files: %s", row.id, row.batch.status, why)
 
     def _going(self, batch_id: str, lease: Lease) -> bool:
         """Whether a validating batch goes on being stored: the lease is still this
@@ -341,10 +389,15 @@ class BatchRunner:
                     except LineError as exc:
                         exc.line = line_no
                         yield line_no, exc
+                    except Exception as exc:  # whatever a line makes raise is its own error
+                        yield line_no, LineError("invalid_request", "the request cannot be "
+                                                 f"read ({type(exc).__name__})", None, line_no)
 
     def _spec(self, raw: bytes, row: ApiBatch, models: set[str] | None) -> JobSpec:
         try:
             obj = json.loads(raw)
+        except RecursionError:
+            raise LineError("invalid_json_line", "the line is nested too deeply") from None
         except (UnicodeDecodeError, ValueError):
             raise LineError("invalid_json_line", "the line is not valid JSON") from None
         if not isinstance(obj, dict):
@@ -375,7 +428,7 @@ class BatchRunner:
         if not BatchStatus(row.batch.status).ended or row.files_at is not None:
             return
         files = []
-        for kind in ("output", "error"):
+        for kind in FILE_KINDS:
             file = self._write_output(row, kind, lease)
             if file is None:
                 return  # the lease went to another process
@@ -388,7 +441,7 @@ class BatchRunner:
     def _write_output(self, batch: ApiBatch, kind: str, lease: Lease) -> File | None:
         """Write the output (or error) file of ``batch`` from the jobs table into storage
         (``jobs.export``); None if the lease was lost meanwhile."""
-        file_id = f"file-{batch.id.removeprefix('batch_')}-{kind}"
+        file_id = _file_id(batch, kind)
         upload = self.storage.begin(file_id)
         line_kind = RowKind(batch.endpoint)
         try:
@@ -408,6 +461,10 @@ class BatchRunner:
         return File(id=file_id, owner_id=batch.owner_id, purpose="batch_output",
                     filename=f"{batch.id}_{kind}.jsonl", bytes=size, batch_id=batch.id,
                     kind=kind)
+
+
+def _file_id(batch: ApiBatch, kind: str) -> str:
+    return f"file-{batch.id.removeprefix('batch_')}-{kind}"
 
 
 def _file_gone() -> LineError:

@@ -10,12 +10,11 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine, or_, select, update
 from sqlalchemy.orm import Session
 
+from jobs.echo import clip
 from jobs.models import ApiBatch, Batch, File
 from jobs.schemas import BatchStatus
 from jobs.store import db_now
-from jobs.store.batches import fence_batch
-
-ACTIVE_BATCH = [BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value]
+from jobs.store.batches import ACTIVE_BATCH, fence_batch
 
 Row = TypeVar("Row", File, ApiBatch)
 
@@ -77,6 +76,21 @@ class ApiRecords:
         with self.session() as session, session.begin():
             session.execute(update(ApiBatch).where(ApiBatch.id == batch_id)
                             .values(errors=errors))
+
+    def begin_attempt(self, batch_id: str, phase: str) -> int:
+        """Count one more try at ``phase`` (``validate`` or ``finalize``) of a batch, before
+        the work starts (a try that kills its process is counted too); the tries so far."""
+        column = getattr(ApiBatch, f"{phase}_attempts")
+        with self.session() as session, session.begin():
+            return int(session.scalar(update(ApiBatch).where(ApiBatch.id == batch_id)
+                                      .values({column: column + 1}).returning(column)) or 0)
+
+    def note_error(self, batch_id: str, error: str) -> None:
+        """Keep ``error`` (cut to :data:`jobs.echo.MAX_MESSAGE_CHARS`) as why the last try at a
+        batch failed."""
+        with self.session() as session, session.begin():
+            session.execute(update(ApiBatch).where(ApiBatch.id == batch_id)
+                            .values(last_error=clip(error)))
 
     def unfinished(self) -> list[ApiBatch]:
         """What the runner looks at each round, oldest first: batches not ended, and ended

@@ -28,6 +28,9 @@ class ApiSettings(BaseSettings):
                                                                      "input file")
     poll_interval_s: float = Field(1.0, gt=0, description="how often batches in progress are "
                                                           "looked at")
+    max_attempts: int = Field(5, ge=1, description="tries at validating a batch, and at "
+                                                   "writing its files, before it ends without "
+                                                   "(failed, or without its files)")
     lease_s: float = Field(30.0, gt=0, description="how long a batch being validated or "
                                                    "finalized stays with the process doing it "
                                                    "if that process dies")

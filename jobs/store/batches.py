@@ -24,6 +24,8 @@ from jobs.schemas import ENDED_BATCH, BatchStatus, JobStatus
 from jobs.settings import redact_urls
 from jobs.store.transitions import ACTIVE, aware, db_now, end_many, to_dt
 
+ACTIVE_BATCH = [s.value for s in BatchStatus if not s.ended]  # validating, in_progress
+
 
 @dataclass(frozen=True)
 class BatchState:
@@ -91,7 +93,7 @@ class BatchStore:
         with Session(self.engine) as session, session.begin():
             session.execute(update(Batch).where(
                 Batch.id == batch_id, Batch.cancel_requested_at.is_(None),
-                Batch.status.in_([BatchStatus.VALIDATING.value, BatchStatus.IN_PROGRESS.value]))
+                Batch.status.in_(ACTIVE_BATCH))
                 .values(cancel_requested_at=db_now(session)))
             status = session.scalar(select(Batch.status).where(Batch.id == batch_id))
         return None if status is None else BatchStatus(status)
@@ -134,12 +136,12 @@ class BatchStore:
     def expire_batches(self, now_s: float, limit: int = 1000,
                        batch_ids: Collection[str] | None = None,
                        ) -> dict[str, list[tuple[str, str]]]:
-        """Batches still in progress (of ``batch_ids``, else all) whose deadline passed become
-        ``expired`` with every active job in them. ``limit`` jobs per transaction; the batch's
-        status changes in the transaction that expires its last active jobs, so a crash midway
-        leaves it in progress (and past its deadline: the next run carries on). Returns batch
-        id -> (job id, status before)."""
-        query = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS.value,
+        """Batches not ended (of ``batch_ids``, else all: in progress, or HTTP batches still
+        validating) whose deadline passed become ``expired`` with every active job in them.
+        ``limit`` jobs per transaction; the batch's status changes in the transaction that
+        expires its last active jobs, so a crash midway leaves it as it was (and past its
+        deadline: the next run carries on). Returns batch id -> (job id, status before)."""
+        query = select(Batch.id).where(Batch.status.in_(ACTIVE_BATCH),
                                        Batch.deadline_at.is_not(None),
                                        Batch.deadline_at <= to_dt(now_s))
         if batch_ids is not None:
@@ -161,8 +163,7 @@ class BatchStore:
                     if len(rows) < limit:
                         res = session.execute(
                             update(Batch)
-                            .where(Batch.id == due_id,
-                                   Batch.status == BatchStatus.IN_PROGRESS.value)
+                            .where(Batch.id == due_id, Batch.status.in_(ACTIVE_BATCH))
                             .values(status=BatchStatus.EXPIRED.value,
                                     completed_at=to_dt(now_s)))
                         if res.rowcount == 1:

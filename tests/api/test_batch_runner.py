@@ -15,7 +15,7 @@ import pytest
 from services import jsonl, wait_until
 from sqlalchemy import Engine
 
-from jobs.api.batches import CHUNK_ROWS, BatchRunner
+from jobs.api.batches import CHUNK_ROWS, BatchRunner, Phase
 from jobs.api.keys import KeyStore
 from jobs.api.objects import openai_status
 from jobs.api.records import ApiRecords
@@ -79,10 +79,12 @@ def _write_input(runner: BatchRunner, owner: str, rows: int, extra: bytes = b"")
                             filename="in.jsonl", bytes=0, kind="upload"))
 
 
-def _runner(services: dict[str, str], storage: DirectoryStorage) -> BatchRunner:
+def _runner(services: dict[str, str], storage: DirectoryStorage,
+            **settings_: object) -> BatchRunner:
     client = JobClient(database=services["database_url"], redis_url=services["redis_url"],
                        key_prefix=services["key_prefix"])
-    settings = ApiSettings(lease_s=0.5, files_dir=storage.root)
+    # a lease long enough for a loaded machine to read 1,000 lines between two renewals
+    settings = ApiSettings(**{"lease_s": 3.0, "files_dir": storage.root, **settings_})  # type: ignore[arg-type]
     return BatchRunner(client, ApiRecords(client.engine), storage, settings, ["tiny"])
 
 
@@ -133,7 +135,7 @@ def test_cancel_while_rows_are_stored_leaves_none_to_run(services: dict[str, str
     _write_input(runner, owner, ROWS)
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
     batch_ids.append(batch.id)
-    runner._leased(batch.id, runner._validate)  # cancelled at line 1,500
+    runner._leased(batch.id, Phase.VALIDATE)  # cancelled at line 1,500
     row = runner.records.get(ApiBatch, owner, batch.id)
     assert row is not None and openai_status(row) == "cancelling"
     # the chunk that was being read when the cancel came was stored after it: it is cancelled
@@ -156,7 +158,7 @@ def test_a_line_over_the_request_limit_is_reported_not_read_whole(services: dict
     _write_input(runner, owner, 3, extra=b'{"custom_id": "' + b"x" * (2 << 20) + b'"}\n'
                  + b'{"custom_id": "r0"}\n')
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "24h", None)
-    runner._leased(batch.id, runner._validate)
+    runner._leased(batch.id, Phase.VALIDATE)
     row = runner.records.get(ApiBatch, owner, batch.id)
     assert row is not None and openai_status(row) == "failed"
     errors = {e["line"]: e for e in row.errors["data"]}
@@ -174,7 +176,7 @@ def test_a_batch_past_its_window_ends_expired_with_an_error_file(services: dict[
     runner = _runner(services, DirectoryStorage(tmp_path / "files"))
     _write_input(runner, owner, 4)
     batch = runner.create(owner, "file-input", "/v1/chat/completions", "1h", None)
-    runner._leased(batch.id, runner._validate)
+    runner._leased(batch.id, Phase.VALIDATE)
     with engine.begin() as conn:  # an hour later, no worker having run anything
         for table, column in (("batches", "deadline_at"), ("jobs", "deadline_at")):
             key = "batch_id" if table == "jobs" else "id"
