@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from services import child_pids, wait_until
 from jobs.constants import Keys
 
 REPO = Path(__file__).resolve().parents[2]
+PROBED_WORKER = Path(__file__).with_name("probed_worker.py")
 MODEL = "tiny"
 
 
@@ -105,10 +107,10 @@ class WorkerProcs:
         self.procs: list[WorkerProc] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, *, script: Path | None = None,
+    def start(self, name: str, *, probes: Sequence[str] = (),
               **settings: object) -> WorkerProc:
-        """Start ``python -m worker`` (or ``script``, which takes the same flags) with the
-        suite's defaults overridden by ``settings``."""
+        """Start ``python -m worker`` with the suite's defaults overridden by ``settings``;
+        with ``probes`` (flags of ``probed_worker.py``), that script instead."""
         values: dict[str, object] = {
             "model": self.tiny_model, "served_model_name": MODEL, "redis_url": self.redis_url,
             "database_url": self.database_url, "key_prefix": self.keys.prefix,
@@ -117,7 +119,7 @@ class WorkerProcs:
             "reconcile_interval_s": 2.0, "reconcile_grace_s": 2.0, "max_deliveries": 50,
         }
         values.update(settings)
-        cmd = [sys.executable, *([str(script)] if script else ["-m", "worker"])]
+        cmd = [sys.executable, *([str(PROBED_WORKER), *probes] if probes else ["-m", "worker"])]
         for key, value in values.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

@@ -28,8 +28,6 @@ from jobs.schemas import JobSpec, JobStatus
 
 SQL = all_roles_store()
 
-# A worker that exits (137) right after storing its first results, before acking them.
-DIES_AFTER_COMMIT = Path(__file__).with_name("worker_dies_after_commit.py")
 FIGURES = Path(os.environ.get("KVBATCH_RELIABILITY_FIGURES", "/tmp/kvbatch-reliability.json"))
 
 
@@ -114,7 +112,7 @@ def test_death_between_sql_commit_and_xack(redis_client: redis.Redis, keys: Keys
     specs = [_greedy(i, max_tokens=8) for i in range(40)]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit(specs)
-    crashing = workers.start("w-commit", script=DIES_AFTER_COMMIT)
+    crashing = workers.start("w-commit", probes=["--die-after-commit"])
     assert crashing.proc.wait(120) == 137, crashing.log()[-2000:]
     stored = SQL(client.engine).terminal_ids(ids)
     queue = JobQueue(redis_client, MODEL, keys)
