@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
@@ -25,7 +25,7 @@ from engine.prompts import Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Request, Sequence
 from engine.structured_output import CompileBudget, StructuredOutput
 from kernels import get_ops, resolve_backend
 
@@ -33,19 +33,6 @@ log = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long
 
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    seqs: list[Sequence] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n
 
 
 class LLMEngine:
@@ -134,7 +121,6 @@ class LLMEngine:
             self.runner.enable_decode_graphs(config.max_num_seqs,
                                              cdiv(max_model_len, block_size), capture=True)
         self.isolator = FaultIsolator(self.runner)
-        self._requests: dict[str, _Request] = {}
         self._aborted: list[RequestOutput] = []
         self._compiling: list[Sequence] = []  # waiting for their grammars
         self._arrivals = itertools.count()
@@ -170,7 +156,7 @@ class LLMEngine:
                 one that does not compile within the budget fails the request alone, its
                 output's ``error`` naming why (``GrammarError``).
         """
-        if request_id in self._requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -197,14 +183,13 @@ class LLMEngine:
             cache_salt=cache_salt,
             pending_grammar=compiled,
         )
-        self._requests[request_id] = _Request(request_id, token_ids, params, metrics, [seq])
-        self.scheduler.add(seq)
+        self.scheduler.add_request(Request(request_id, token_ids, params, metrics, [seq]))
         if compiled is not None:
             self._compiling.append(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its blocks; the next :meth:`step` reports it (``abort``)."""
-        req = self._requests.pop(request_id, None)
+        req = self.scheduler.requests.pop(request_id, None)
         if req is None:
             return
         live = [s for s in req.seqs if not s.is_finished]
@@ -222,10 +207,10 @@ class LLMEngine:
         return self.structured.token_bytes(token_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self.scheduler.requests) or bool(self._aborted)
 
     def num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self.scheduler.requests)
 
     # -- the step ------------------------------------------------------------------------
 
@@ -247,14 +232,12 @@ class LLMEngine:
             outputs += [self._fail(request_id, f"failed in the engine step: {error}")
                         for request_id, error in faults.items()]
         update = self.scheduler.update(batch, sampled)
-        for child in update.forked:
-            self._requests[child.request_id].seqs.append(child)
         # Outputs decode text: what raises there fails its request alone too.
         failed = dict(update.failed)
         for request_id in dict.fromkeys(s.request_id for s in update.progressed):
             if request_id in failed:
                 continue
-            req = self._requests[request_id]
+            req = self.scheduler.requests[request_id]
             finished = req.finished
             try:
                 outputs.append(self._output(req, finished))
@@ -262,7 +245,7 @@ class LLMEngine:
                 failed[request_id] = f"{type(exc).__name__}: {exc}"
                 continue
             if finished:
-                del self._requests[request_id]
+                del self.scheduler.requests[request_id]
         outputs += [self._fail(request_id, f"failed in the engine step: {error}")
                     for request_id, error in failed.items()]
         return outputs
@@ -290,7 +273,7 @@ class LLMEngine:
     def _fail(self, request_id: str, error: str) -> RequestOutput:
         """End a request with ``error``: its blocks are freed, and those only it held leave
         the prefix cache (the forward that should have filled them may not have)."""
-        req = self._requests.pop(request_id)
+        req = self.scheduler.requests.pop(request_id)
         live = [s for s in req.seqs if not s.is_finished]
         for seq in live:
             self.kv.forget(seq)
@@ -344,7 +327,7 @@ class LLMEngine:
         bar.close()
         return [results[i] for i in ids]
 
-    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+    def _output(self, req: Request, finished: bool) -> RequestOutput:
         return self.processor.output(
             req.request_id, req.prompt_token_ids, req.seqs, req.metrics, finished
         )

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.outputs import FinishReason, SchedulerCounters
 from engine.sampler import Sampled
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Request, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ class StepUpdate:
     """What :meth:`Scheduler.update` did with one step's tokens."""
 
     progressed: list[Sequence]  # produced a token this step, forks included, in batch order
-    forked: list[Sequence] = field(default_factory=list)  # samples born this step (n > 1)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its check raised
 
 
@@ -96,7 +95,16 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []  # sorted by Sequence.sort_key
+        # Unfinished requests by id, the one registry (the engine drops one once its output is
+        # final).
+        self.requests: dict[str, Request] = {}
         self.counters = SchedulerCounters()
+
+    def add_request(self, request: Request) -> None:
+        """Register ``request`` and queue its sequence."""
+        self.requests[request.request_id] = request
+        (seq,) = request.seqs
+        self.add(seq)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -268,8 +276,7 @@ class Scheduler:
                 seq.metrics.first_token_time = now
             family = [seq]
             if seq.pending_forks:
-                update.forked.extend(children := self._fork(seq, seq.pending_forks))
-                family += children
+                family += self._fork(seq, seq.pending_forks)
             for member, sample in zip(family, samples, strict=True):
                 member.append(sample.token, sample.logprobs)
                 self.counters.num_generated_tokens += 1
@@ -294,6 +301,7 @@ class Scheduler:
         for child in children:
             self.kv.fork(parent, child)
         self.running[pos:pos] = children
+        self.requests[parent.request_id].seqs += children
         return children
 
     def finish(self, seqs: Iterable[Sequence], reason: FinishReason) -> None:

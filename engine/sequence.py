@@ -132,3 +132,18 @@ class Sequence:
         child.logprobs = list(self.logprobs)
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
+
+
+@dataclass(eq=False)
+class Request:
+    """A request and its samples: one sequence until its first token, then ``params.n``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and len(self.seqs) == self.params.n

@@ -65,7 +65,7 @@ def test_the_engine_steps_while_a_format_compiles(tiny_model: Path) -> None:
                 if out.request_id == "free":
                     # 24 tokens ran while the grammar compiled: the constrained request
                     # has not been scheduled yet.
-                    (slow,) = engine._requests["slow"].seqs
+                    (slow,) = engine.scheduler.requests["slow"].seqs
                     assert slow.pending_grammar is not None and slow.num_computed_tokens == 0
     assert finished == ["free", "slow"]
 

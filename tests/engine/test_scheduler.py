@@ -17,7 +17,7 @@ from engine.outputs import FinishReason, RequestMetrics
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Request, Sequence, SequenceStatus
 
 BS = 16
 NEXT_TOKEN = 7
@@ -43,15 +43,17 @@ _order = iter(range(10**9))
 
 def add(sched: Scheduler, prompt: list[int], max_tokens: int = 4, priority: int = 0,
         n: int = 1) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0 if n == 1 else 1.0)
+    metrics = RequestMetrics(arrival_time=time.monotonic())
     seq = Sequence(
-        request_id=f"r{len(sched.waiting) + len(sched.running) + len(sched.swapped)}",
+        request_id=f"r{len(sched.requests)}",
         prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=max_tokens, n=n, temperature=0.0 if n == 1 else 1.0),
-        metrics=RequestMetrics(arrival_time=time.monotonic()),
+        params=params,
+        metrics=metrics,
         priority=priority,
         arrival_order=next(_order),
     )
-    sched.add(seq)
+    sched.add_request(Request(seq.request_id, prompt, params, metrics, [seq]))
     return seq
 
 
@@ -317,7 +319,7 @@ def _check_invariants(sched: Scheduler) -> None:
 def test_update_decides_each_tokens_fate_in_one_pass() -> None:
     """The update appends, checks the stop condition, and finishes and frees what stopped; a
     check that raises fails its request alone (left running for the engine to end), and the
-    samples forked this step are reported with their request."""
+    samples forked this step join their request."""
 
     def check(seq: Sequence) -> FinishReason | None:
         if seq.request_id == "r1":
@@ -338,6 +340,6 @@ def test_update_decides_each_tokens_fate_in_one_pass() -> None:
     assert a not in sched.running
     assert update.failed == {"r1": "ValueError: the grammar refused the token"}
     assert not b.is_finished and b in sched.running and b.output_token_ids == [NEXT_TOKEN]
-    (child,) = update.forked
-    assert (child.request_id, child.index, child.output_token_ids) == ("r2", 1, [NEXT_TOKEN])
+    parent, child = sched.requests["r2"].seqs
+    assert parent is c and (child.index, child.output_token_ids) == (1, [NEXT_TOKEN])
     assert not c.is_finished and sched.running == [b, c, child]
