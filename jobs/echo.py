@@ -4,8 +4,10 @@ job errors, HTTP answers)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 MAX_ECHO_CHARS = 100  # of one quoted value
-MAX_MESSAGE_CHARS = 1000  # of a whole error message
+MAX_MESSAGE_CHARS = 500  # of a whole error message
 ELLIPSIS = "…"
 
 
@@ -21,3 +23,11 @@ def quote(value: object, limit: int = MAX_ECHO_CHARS) -> str:
     if len(text) <= limit:
         return text
     return text[:limit - len(ELLIPSIS) - 1] + ELLIPSIS + text[-1]
+
+
+def quote_all(values: Iterable[object], most: int = 5) -> str:
+    """The first ``most`` of ``values``, each as :func:`quote` gives it, joined by commas;
+    ``and <n> more`` for the rest."""
+    items = list(values)
+    shown = ", ".join(quote(v) for v in items[:most])
+    return shown if len(items) <= most else f"{shown} and {len(items) - most} more"

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
+from jobs.echo import quote, quote_all
 from jobs.schemas import Choice, JobInfo, JobStatus, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
@@ -81,7 +82,7 @@ def parse_row(obj: Any, index: int) -> Row:
 def _plain_row(obj: Mapping[str, Any], index: int) -> Row:
     if not PLAIN_FIELDS.issuperset(obj):
         unknown = sorted(set(obj) - PLAIN_FIELDS)
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
+        raise ValueError(f"unknown field(s) {quote_all(unknown)}")
     return Row(
         custom_id=str(obj.get("custom_id", index)),
         kind=RowKind.PLAIN,
@@ -105,15 +106,15 @@ def _object(value: Any, name: str) -> dict[str, Any]:
 def _openai_row(obj: Mapping[str, Any]) -> Row:
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}")
+        raise ValueError(f"unknown field(s) {quote_all(unknown)}")
     if not obj.get("custom_id"):
         raise ValueError("an OpenAI batch row needs a 'custom_id'")
     if obj.get("method", "POST") != "POST":
-        raise ValueError(f"method {obj.get('method')!r} is not supported (POST only)")
+        raise ValueError(f"method {quote(obj.get('method'))} is not supported (POST only)")
     try:
         kind = RowKind(str(obj.get("url")))
     except ValueError:
-        raise ValueError(f"url {obj.get('url')!r} is not supported "
+        raise ValueError(f"url {quote(obj.get('url'))} is not supported "
                          f"({CHAT_URL} or {COMPLETIONS_URL})") from None
     if kind is RowKind.PLAIN:
         raise ValueError("an OpenAI batch row needs a 'url'")
@@ -124,7 +125,7 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
     known = SAMPLING_FIELDS | OPENAI_MAPPED | OPENAI_IGNORED | {prompt_key, "metadata"}
     unsupported = sorted(set(body) - known)
     if unsupported:
-        raise ValueError(f"body field(s) {', '.join(map(repr, unsupported))} not supported")
+        raise ValueError(f"body field(s) {quote_all(unsupported)} not supported")
     sampling = {k: v for k, v in body.items() if k in SAMPLING_FIELDS and k != "logprobs"}
     if "max_completion_tokens" in body:
         sampling["max_tokens"] = body["max_completion_tokens"]

@@ -30,6 +30,7 @@ from pydantic_core import ErrorDetails
 from engine.sampling_params import SamplingParams
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL
+from jobs.echo import quote
 from jobs.rows import Row, parse_row, rejected_row
 from jobs.schemas import BatchStatus, JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
 from jobs.settings import connection_settings
@@ -344,7 +345,7 @@ class Client:
             try:
                 self.jobs.check(spec)
             except ValueError as exc:
-                raise ValueError(f"row {spec.custom_id!r}: {exc}") from exc
+                raise ValueError(f"row {quote(spec.custom_id)}: {exc}") from exc
 
     def _specs(self, rows: Iterable[Mapping[str, Any] | Row], *, batch_id: str,
                model: str | None, system_prompt: str | None, priority: int,
@@ -378,12 +379,13 @@ class Client:
                 except ValueError:
                     raise ValueError(f"row {index}: {error}") from exc
                 if bad.custom_id in refused or bad.custom_id in valid:
-                    raise ValueError(f"custom_id {bad.custom_id!r} appears more than once in "
+                    raise ValueError(f"custom_id {quote(bad.custom_id)} appears more than once in "
                                      f"batch {batch_id!r}") from None
                 refused[bad.custom_id] = replace(bad, error=error)
         dup = next((c for c in refused if c in valid), None)
         if dup is not None:
-            raise ValueError(f"custom_id {dup!r} appears more than once in batch {batch_id!r}")
+            raise ValueError(f"custom_id {quote(dup)} appears more than once in batch "
+                             f"{batch_id!r}")
         return specs, valid, refused
 
     def job(self, job_id: str) -> JobHandle:

@@ -31,6 +31,7 @@ from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import DirectoryStorage, FileStorage, Upload
 from jobs.client import JobClient
+from jobs.echo import quote
 from jobs.models import ApiBatch, File
 from jobs.sdk import validation_message
 from jobs.settings import ConnectionSettings
@@ -334,7 +335,7 @@ class _Form:
             raise ApiError(400, "the form has no 'file' part", param="file")
         purpose = self.fields.get("purpose")
         if purpose != "batch":
-            raise ApiError(400, f"purpose {purpose!r} is not supported: kvbatch takes files "
+            raise ApiError(400, f"purpose {quote(purpose)} is not supported: kvbatch takes files "
                                 "with purpose 'batch'", param="purpose")
         size = self.upload.commit()
         self.done = True

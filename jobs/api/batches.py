@@ -42,6 +42,7 @@ from jobs.api.settings import ApiSettings
 from jobs.api.storage import FileStorage, read_chunks
 from jobs.client import JobClient
 from jobs.constants import MAX_PAYLOAD_BYTES
+from jobs.echo import clip, quote
 from jobs.export import export_batch
 from jobs.lease import Lease, LeaseLost
 from jobs.models import ApiBatch, File
@@ -65,7 +66,7 @@ def window_seconds(window: str) -> int:
     up to 9999."""
     match = _WINDOW.match(window)
     if not match:
-        raise ApiError(400, f"completion_window {window!r} is not supported: give hours or "
+        raise ApiError(400, f"completion_window {quote(window)} is not supported: give hours or "
                             "days, as '24h' or '7d'", param="completion_window")
     return int(match[1]) * _WINDOW_S[match[2]]
 
@@ -88,7 +89,9 @@ class LineError(Exception):
     line: int | None = None
 
     def entry(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "param": self.param,
+        """The ``errors.data`` entry, its message cut to
+        :data:`jobs.echo.MAX_MESSAGE_CHARS`."""
+        return {"code": self.code, "message": clip(self.message), "param": self.param,
                 "line": self.line}
 
 
@@ -118,7 +121,7 @@ class BatchRunner:
                metadata: dict[str, str] | None) -> ApiBatch:
         """A new batch, ``validating``; the runner takes it from there."""
         if endpoint not in ENDPOINTS:
-            raise ApiError(400, f"endpoint {endpoint!r} is not supported: "
+            raise ApiError(400, f"endpoint {quote(endpoint)} is not supported: "
                                 f"{' or '.join(ENDPOINTS)}", param="endpoint")
         window_s = window_seconds(completion_window)
         if metadata is not None and (len(metadata) > 16 or any(
@@ -351,12 +354,12 @@ class BatchRunner:
             if isinstance(spec, LineError):
                 errors.append(spec)
             elif spec.custom_id in seen:
-                errors.append(LineError("duplicate_custom_id", f"custom_id {spec.custom_id!r} "
+                errors.append(LineError("duplicate_custom_id", f"custom_id {quote(spec.custom_id)} "
                                         "appears on an earlier line", "custom_id", line_no))
             elif model is not None and spec.model != model:
-                errors.append(LineError("mismatched_model", f"every request of a batch names "
-                                        f"the same model: {model!r} before, {spec.model!r} "
-                                        "here", "body.model", line_no))
+                errors.append(LineError("mismatched_model", "every request of a batch names "
+                                        f"the same model: {quote(model)} before, "
+                                        f"{quote(spec.model)} here", "body.model", line_no))
             else:
                 seen.add(str(spec.custom_id))
                 model = spec.model
@@ -410,7 +413,7 @@ class BatchRunner:
         if not isinstance(model, str) or not model:
             raise LineError("invalid_request", "body.model is required", "body.model")
         if models is not None and model not in models:
-            raise LineError("model_not_found", f"model {model!r} is not served here (GET "
+            raise LineError("model_not_found", f"model {quote(model)} is not served here (GET "
                                                "/v1/models lists those that are)", "body.model")
         try:
             spec = row_spec(parse_row(obj, 0), model=model, batch_id=row.id, system_prompt=None,

@@ -5,16 +5,19 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from jobs.echo import MAX_ECHO_CHARS, clip
 from jobs.models import ApiBatch, File
 from jobs.schemas import BatchStatus, JobStatus
 from jobs.store.transitions import aware
 
 
 class ApiError(Exception):
-    """An error answered as OpenAI's: ``{"error": {message, type, param, code}}``."""
+    """An error answered as OpenAI's: ``{"error": {message, type, param, code}}``; the message
+    is cut to :data:`jobs.echo.MAX_MESSAGE_CHARS`, whatever it quotes."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, kind: str = "invalid_request_error") -> None:
+        message = clip(message)
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.kind = (
             status, message, code, param, kind)
@@ -27,7 +30,7 @@ class ApiError(Exception):
 def not_found(what: str, object_id: str) -> ApiError:
     """The answer for an object that does not exist or belongs to another key (the two are
     not told apart)."""
-    return ApiError(404, f"No such {what}: {object_id}", code=None)
+    return ApiError(404, f"No such {what}: {clip(object_id, MAX_ECHO_CHARS)}", code=None)
 
 
 def unix(dt: datetime | None) -> int | None:
