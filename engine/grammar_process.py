@@ -19,18 +19,16 @@ import os
 import queue
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine.ipc import Frames, die_with_parent, pack
+from engine.ipc import Frames, die_with_parent, pack, spawn
 from engine.sampling_params import ResponseFormat
 
 if TYPE_CHECKING:
@@ -145,15 +143,7 @@ class _Child:
     """The compile process, seen from the engine."""
 
     def __init__(self, tokenizer_info_json: str) -> None:
-        self._sock, theirs = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        with theirs:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "engine.grammar_process", str(theirs.fileno()),
-                 str(os.getpid())],
-                pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        self.process, self._sock = spawn("engine.grammar_process")
         self._frames = Frames(self._sock)
         self.send(tokenizer_info_json.encode())
         if not self._frames.read(START_TIMEOUT_S):

@@ -11,13 +11,30 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
 READ_CHUNK = 1 << 20
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def spawn(module: str) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """Start ``python -m <module> <fd> <this pid>`` holding one end of a socket pair (its
+    ``fd``); return the process and this side's end. The child calls
+    :func:`die_with_parent` with the pid."""
+    ours, theirs = socket.socketpair()
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    with theirs:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+    return process, ours
 
 
 def die_with_parent(parent_pid: int) -> None:

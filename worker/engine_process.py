@@ -24,13 +24,12 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from engine.config import EngineConfig
-from engine.ipc import Frames, die_with_parent, pack
+from engine.ipc import Frames, die_with_parent, pack, spawn
 from worker.engine_thread import IDLE_WAIT_S, serve
 from worker.messages import (
     CODEC,
@@ -76,14 +75,7 @@ class EngineProcess:
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._stopping = threading.Event()
-        self._sock, child = socket.socketpair()
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        with child:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "worker.engine_process", str(child.fileno()),
-                 str(os.getpid())], pass_fds=(child.fileno(),), env=env)
+        self.process, self._sock = spawn("worker.engine_process")
         self._sock.sendall(frame(Start(config)))
         self._frames = Frames(self._sock)
         hello = self._frames.read(None)
