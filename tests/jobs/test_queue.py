@@ -149,3 +149,52 @@ def test_reads_across_buckets_follow_arrival_not_job_age(redis_client: redis.Red
     assert len({d.stream for d in got}) > 10  # spread over buckets
     assert [d.job_id for d in got] == [s.id for s in big[:50]] + [small.id] + [
         s.id for s in big[50:]]
+
+
+def test_reconciler_grace_ignores_a_skewed_client_clock(
+    redis_client: redis.Redis, keys: Keys, sql_engine: sa.Engine,
+) -> None:
+    store = SQL(sql_engine)
+    q = JobQueue(redis_client, "m", keys)
+    spec = JobSpec(model="m", prompt="p", submitted_at=time.time() - 3600)  # clock 1 h behind
+    store.insert_jobs([spec])  # its XADD has not happened yet
+    assert reconcile(store, q, grace_s=60).requeued == []
+    created = store.get(spec.id).created_at.timestamp()
+    assert abs(created - time.time()) < 5
+
+
+def test_cancel_of_queued_job_publishes_and_expires_marker(
+    redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
+) -> None:
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.done_channel())
+    (job_id,) = client.submit([JobSpec(model="m", prompt="a")])
+    assert client.cancel(job_id) is JobStatus.CANCELLED
+    message = None
+    deadline = time.monotonic() + 5
+    while message is None and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.5)
+    pubsub.close()
+    assert message is not None and json.loads(message["data"]) == {"id": job_id,
+                                                                  "status": "cancelled"}
+    assert 0 < redis_client.ttl(keys.done(job_id)) <= 24 * 3600
+
+
+def test_registry_of_workers_is_pruned(redis_client: redis.Redis, keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    for name in ("gone-1", "gone-2", "alive"):
+        q.heartbeat(name, 60_000)
+    redis_client.delete(keys.heartbeat("gone-1"), keys.heartbeat("gone-2"))
+    assert q.live_workers() == {"alive"}
+    assert set(redis_client.hkeys(keys.workers())) == {"alive"}
+    # A dead consumer with nothing pending leaves the group and the registry.
+    q.enqueue([JobSpec(model="m", prompt="p")])
+    q.ack(q.read("gone-1", 1))
+    q.heartbeat("gone-1", 60_000)
+    redis_client.delete(keys.heartbeat("gone-1"))
+    q.claim_orphans("alive", 10, min_idle_ms=0)
+    consumers = {c["name"] for stream in q.streams
+                 for c in redis_client.xinfo_consumers(stream, CONSUMER_GROUP)}
+    assert "gone-1" not in consumers and set(redis_client.hkeys(keys.workers())) == {"alive"}

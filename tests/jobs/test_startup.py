@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 from services import REDIS_URL
 
 from jobs import db
+from jobs.constants import Keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,3 +127,10 @@ def test_a_worker_serves_only_a_model_of_the_deployment(
         worker_settings(served_model_name="elsewhere")
     monkeypatch.delenv("KVBATCH_MODELS")
     assert worker_settings(served_model_name="elsewhere").model_name == "elsewhere"
+
+
+def test_worker_id_longer_than_the_column_is_refused(tiny_model: str, keys: Keys) -> None:
+    from worker_harness import worker_settings
+
+    with pytest.raises(ValidationError, match="128"):
+        worker_settings(tiny_model, keys, "sqlite://", worker_id="w" * 129)

@@ -182,3 +182,39 @@ def test_cancel_deadline_release_and_batches(sql_engine: sa.Engine) -> None:
     assert store.expire_past_deadline(now, model="m") == [(late.id, JobStatus.QUEUED.value)]
     assert store.get(late.id).status is JobStatus.EXPIRED
     assert store.request_cancel("nope", now) is None
+
+
+def test_copy_of_job_running_on_live_worker_is_skipped(sql_engine: sa.Engine) -> None:
+    store = SQL(sql_engine)
+    spec = JobSpec(model="m", prompt="p")
+    store.insert_jobs([spec])
+    now = time.time()
+    assert store.begin_deliveries([spec.id], "w1", 2, now) == {spec.id: Decision.RUN}
+    for _ in range(3):  # stolen-lease or reconciler copies while w1 is alive
+        assert store.begin_deliveries([spec.id], "w2", 2, now, live_workers={"w1", "w2"}) == {
+            spec.id: Decision.SKIP}
+    (info,) = store.get_many([spec.id])
+    assert (info.status, info.attempts, info.worker_id) == (JobStatus.RUNNING, 1, "w1")
+    # w1 is gone: the next delivery takes the job over.
+    assert store.begin_deliveries([spec.id], "w2", 2, now, live_workers={"w2"}) == {
+        spec.id: Decision.RUN}
+    assert store.get(spec.id).worker_id == "w2"
+
+
+def test_dead_lettered_job_attempts_match_its_error(sql_engine: sa.Engine) -> None:
+    store = SQL(sql_engine)
+    spec = JobSpec(model="m", prompt="p")
+    store.insert_jobs([spec])
+    for worker in ("w1", "w2"):
+        store.begin_deliveries([spec.id], worker, 2, time.time())
+    assert store.begin_deliveries([spec.id], "w3", 2, time.time()) == {spec.id: Decision.DEAD}
+    info = store.get(spec.id)
+    assert info.attempts == 3 and "delivered 3 times" in info.error
+
+
+def test_payload_limit_counts_utf8_bytes() -> None:
+    spec_json = json.dumps({"model": "m", "prompt": "é" * (MAX_PAYLOAD_BYTES // 2 + 10)},
+                           ensure_ascii=False)  # fewer characters than the limit, more bytes
+    assert len(spec_json) < MAX_PAYLOAD_BYTES < len(spec_json.encode())
+    with pytest.raises(ValueError, match="byte limit"):
+        decode_job(spec_json)

@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 import sqlalchemy as sa
 from services import child_pids
+from worker_harness import long_job
 
 from jobs.client import JobClient
 from jobs.constants import Keys
@@ -45,17 +46,12 @@ def _running(pid: int) -> bool:
     return state != "Z"  # an exited child nobody reaped yet is not running
 
 
-def _long(i: int, max_tokens: int) -> JobSpec:
-    return JobSpec(model=MODEL, prompt=f"job {i}",
-                   sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
-
-
 def test_sigkilled_worker_jobs_finish_on_another(
     redis_client: redis.Redis, keys: Keys, pg_url: str, pg_engine: sa.Engine, tiny_model: str,
     start_worker, wait_for, tmp_path: Path,
 ) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    ids = client.submit([_long(i, max_tokens=1900) for i in range(6)])
+    ids = client.submit([long_job(i, max_tokens=1900) for i in range(6)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_LEASE_TTL_S": "1.5"}
     port = _free_port()
     cmd = _worker_cmd(["worker"], tiny_model, keys, pg_url, "--worker-id", "doomed",
@@ -97,7 +93,7 @@ def test_sigterm_drains_then_hands_back(
     wait_for, tmp_path: Path,
 ) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    ids = client.submit([_long(i, max_tokens=1900) for i in range(3)])
+    ids = client.submit([long_job(i, max_tokens=1900) for i in range(3)])
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVBATCH_DRAIN_TIMEOUT_S": "0.5"}
     cmd = _worker_cmd(["worker.cli", "worker"], tiny_model, keys, pg_url)  # `kvbatch worker`
     log = (tmp_path / "worker.log").open("w")
@@ -164,7 +160,7 @@ def test_engine_process_killed_worker_exits_and_jobs_move_on(
     """The engine's process dies (an out-of-memory kill, a segfault in a kernel): the worker
     reports the crash, gives up its lease and exits 1; another worker finishes the jobs."""
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    ids = client.submit([_long(i, max_tokens=1900) for i in range(3)])
+    ids = client.submit([long_job(i, max_tokens=1900) for i in range(3)])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = _worker_cmd(["worker"], tiny_model, keys, pg_url, "--worker-id", "oom")
     log = (tmp_path / "worker.log").open("w")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from services import REDIS_URL
 
 from jobs.constants import Keys
+from jobs.schemas import JobSpec
 
 TINY_MODEL_NAME = "tiny"
 
@@ -42,3 +43,18 @@ def worker_settings(tiny_model: str, keys: Keys, database_url: str, **overrides)
     }
     values.update(overrides)
     return settings(**values)
+
+
+def long_job(i: int, max_tokens: int) -> JobSpec:
+    """A greedy job of the tiny model that generates exactly ``max_tokens`` tokens."""
+    return JobSpec(model=TINY_MODEL_NAME, prompt=f"job {i}",
+                   sampling={"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def bare_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine, redis_client,  # type: ignore[no-untyped-def]
+                **overrides):
+    """A Worker whose loop and engine thread are not started: its parts are driven by hand."""
+    from worker.loop import Worker
+
+    settings = worker_settings(tiny_model, keys, pg_url, **overrides)
+    return Worker(settings, llm=None, redis_client=redis_client, db=pg_engine)
