@@ -1,15 +1,18 @@
 """KV cache bookkeeping the allocator tests leave out: after a failed step, the prefix cache
 forgets the blocks only the failed sequence held and keeps those others share; a swap round
-trip leaves each sequence in exactly one pool."""
+trip leaves each sequence in exactly one pool; a freed sequence holds no cached blocks; the
+block hash is the SHA-256 chain its docstring defines."""
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
 
 import pytest
 
 from engine.block_pool import BlockPool
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheManager, hash_block
 from engine.outputs import RequestMetrics
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -104,3 +107,20 @@ def test_without_host_blocks_there_is_no_swap() -> None:
     seq = make_seq([1, 2])
     kv.allocate_slots(seq, 2)
     assert kv.host_pool is None and not kv.can_swap_out(seq)
+
+
+def test_the_block_hash_is_a_sha256_chain() -> None:
+    tokens = array("q", [1, 2, 3]).tobytes()  # int64, native order
+    first = hash_block(None, [1, 2, 3])
+    assert first == hashlib.sha256(b"\0" + tokens).digest()
+    assert hash_block(first, [1, 2, 3], b"salt") == hashlib.sha256(
+        first + tokens + b"salt").digest()
+
+
+def test_a_freed_sequence_holds_no_cached_blocks() -> None:
+    kv = KVCacheManager(4, BS, enable_prefix_caching=True)
+    seq = make_seq(list(range(9)))
+    kv.allocate_slots(seq, 9)
+    assert seq.num_cached_blocks == 2
+    kv.free(seq)
+    assert (seq.block_table, seq.num_cached_blocks) == ([], 0)
