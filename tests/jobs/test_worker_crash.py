@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -60,9 +59,12 @@ def test_sigkilled_worker_jobs_finish_on_another(
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING}, 60)
-        time.sleep(0.3)  # mid-generation
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        assert 'kvbatch_num_requests_running{model_name="tiny"} 6.0' in metrics
+
+        def all_six_in_the_engine() -> bool:  # mid-generation (the gauge follows its steps)
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
+            return b'kvbatch_num_requests_running{model_name="tiny"} 6.0' in metrics
+
+        wait_for(all_six_in_the_engine, 30)
         (engine_pid,) = child_pids(proc.pid)  # the engine process
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
