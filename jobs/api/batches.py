@@ -12,8 +12,13 @@ the batch's (``jobs.api.objects.openai_status``).
   batch ends by the one expiry and completion check (``BatchStore.expire_batches``,
   ``complete_batches``), which the control plane runs too.
 * **ended** (OpenAI's ``finalizing`` until its files are recorded): the output file (succeeded
-  rows) and the error file (the others) are written by the one export (``jobs.export``), then
-  recorded. Their content is read back from storage, never held whole anywhere.
+  rows) and the error file (the others) are written by the one export (``jobs.export``, one
+  job at a time), then recorded. Their content is read back from storage, never held whole.
+
+Every line that cannot run is that line's error, whatever it makes raise. Tries at validating a
+batch and at writing its files are counted before the work and bounded
+(``ApiSettings.max_attempts``): then the batch fails, or is recorded without its files, with the
+last try's error. A batch still validating past its window expires.
 
 A process validates a batch or writes its files under the batch's lease (``jobs.lease``),
 renewed as it goes: a second API replica leaves it alone, and if the process dies the lease
@@ -451,7 +456,7 @@ class BatchRunner:
             size = export_batch(
                 self.client.reader, batch.id, upload.write,
                 lambda info: json.dumps(output_line(line_kind, info), ensure_ascii=False),
-                succeeded=kind == "output", page_written=lease.renew)
+                succeeded=kind == "output", going=lease.renew)
         except BaseException:
             upload.discard()
             raise

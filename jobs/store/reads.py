@@ -3,7 +3,7 @@ the statistics and the CLI tables are computed from."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -54,11 +54,12 @@ class JobReader:
             ).all()
         return [_info(job, metrics) for job, metrics in rows]
 
-    def batch_page(self, batch_id: str, *, succeeded: bool | None = None, after: str = "",
-                   limit: int = 500) -> list[JobInfo]:
-        """A page of ``batch_id``'s jobs in id order after ``after``: all of them, or with
-        ``succeeded`` the terminal ones that succeeded (True) or did not (False): what exports
-        are made of."""
+    def batch_rows(self, batch_id: str, *, succeeded: bool | None = None,
+                   fetch_rows: int = 16) -> Iterator[JobInfo]:
+        """``batch_id``'s jobs in id order, one at a time: all of them, or with ``succeeded``
+        the terminal ones that succeeded (True) or did not (False): what exports are made of.
+        One query, fetched ``fetch_rows`` rows at a time (a server-side cursor on PostgreSQL),
+        so memory holds that many results whatever the batch's size."""
         wanted = (Job.status == JobStatus.SUCCEEDED.value if succeeded else
                   Job.status.in_([s.value for s in TERMINAL_STATUSES - {JobStatus.SUCCEEDED}])
                   if succeeded is not None else true())
@@ -66,10 +67,10 @@ class JobReader:
             rows = session.execute(
                 select(Job, JobMetrics).options(defer(Job.spec))
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
-                .where(Job.batch_id == batch_id, Job.id > after, wanted)
-                .order_by(Job.id).limit(limit)
-            ).all()
-        return [_info(job, metrics) for job, metrics in rows]
+                .where(Job.batch_id == batch_id, wanted).order_by(Job.id)
+                .execution_options(yield_per=fetch_rows))
+            for job, metrics in rows:
+                yield _info(job, metrics)
 
     def batch_jobs(self, batch_id: str) -> list[tuple[str, str | None, JobStatus]]:
         """(id, custom_id, status) of every job of ``batch_id``."""
