@@ -4,11 +4,11 @@ A job is stored ``queued`` and not fed; the feeder moves jobs from the backlog i
 stream while the stream holds fewer entries (waiting or held by a worker) than the window: what
 the live workers asked for together (``kvbatch worker --feed-window``, by default twice a
 worker's capacity), at least :data:`MIN_WINDOW`. It takes them in priority order, round-robin
-over batches within a priority (``FeedStore.take``), marks them fed in SQL, then adds them to
-the stream. Producers feed right after they store jobs; every worker feeds from its
-maintenance thread after it pulls and at least every second. So Redis holds a few times the
-fleet's capacity, however large the backlog; and a better priority or a new small batch waits
-behind at most one window, never behind the backlog.
+over tenants, then their batches, within a priority (``FeedStore.take``), marks them fed in
+SQL, then adds them to the stream. Producers feed right after they store jobs; every worker
+feeds from its maintenance thread after it pulls and at least every second. So Redis holds a
+few times the fleet's capacity, however large the backlog; and a better priority or a new small
+batch waits behind at most one window, never behind the backlog.
 
 A job marked fed whose stream entry is lost (a crash between the SQL commit and the ``XADD``,
 Redis restarted empty) is put back by the reconciler (``jobs.reconcile``), which reads only the

@@ -63,6 +63,9 @@ class Batch(Base):
                                         server_default=BatchStatus.IN_PROGRESS.value)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancel_requested_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The tenant: the API key of an HTTP batch, NULL for the SDK's (one tenant together); the
+    # feeder shares a model's stream by tenant, then by batch.
+    owner: Mapped[str | None] = mapped_column(String(32))
     # The fencing token (``jobs.lease``) of the last holder of the batch's lease that wrote it.
     fence: Mapped[int | None] = mapped_column(BigInteger)
     # When it ended (whatever the status it ended in).
@@ -165,7 +168,8 @@ class File(Base):
     the jobs table when the batch ends); the content is in the API's file storage."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_owner_id", "owner_id", "id"),)
+    __table_args__ = (Index("ix_files_owner_id", "owner_id", "id"),
+                      Index("ix_files_expires_at", "expires_at"))
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     owner_id: Mapped[str] = mapped_column(
@@ -176,6 +180,8 @@ class File(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     batch_id: Mapped[str | None] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(16))  # upload | output | error
+    # When the retention purges it (``expires_after`` on upload, else the deployment's).
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class ApiBatch(Base):

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from jobs.api.batches import BatchRunner
 from jobs.api.keys import KeyStore
 from jobs.api.objects import ApiError, batch_object, file_object, list_object, not_found
+from jobs.api.quotas import Quotas
 from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import DirectoryStorage, FileStorage, Upload
@@ -38,6 +39,7 @@ from jobs.settings import ConnectionSettings
 
 MAX_FIELD_BYTES = 1 << 16  # a form field other than the file (``purpose``)
 MAX_FIELDS = 16
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds of expires_after[seconds]
 MAX_JSON_BYTES = 1 << 20  # any other request's body
 # A declared body this far past the upload limit is refused before it is read; a smaller one is
 # read (and dropped past the limit) so that the client gets the 413 rather than a broken pipe.
@@ -167,7 +169,7 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings,
     @app.post("/v1/files")
     async def upload(request: Request, key: Owner) -> dict[str, Any]:
         return file_object(await receive_upload(request, key, records, storage,
-                                                settings.max_upload_bytes))
+                                                settings.max_upload_bytes, runner.quotas))
 
     @app.get("/v1/files")
     def list_files(key: Owner, after: str | None = None,
@@ -228,13 +230,15 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings,
 
 
 async def receive_upload(request: Request, owner: str, records: ApiRecords,
-                         storage: FileStorage, limit: int) -> File:
-    """Stream a ``multipart/form-data`` upload (``file``, ``purpose``) into ``storage`` and
-    record it; memory holds one chunk, whatever the file's size.
+                         storage: FileStorage, limit: int, quotas: Quotas) -> File:
+    """Stream a ``multipart/form-data`` upload (``file``, ``purpose``, optionally OpenAI's
+    ``expires_after[anchor]=created_at`` and ``expires_after[seconds]``) into ``storage`` and
+    record it, expiring then or after the deployment's retention; memory holds one chunk,
+    whatever the file's size.
 
     Raises:
-        ApiError: 400 for a malformed form or a purpose other than ``batch``, 413 past
-            ``limit`` bytes (nothing is kept).
+        ApiError: 400 for a malformed form, a purpose other than ``batch``, a bad
+            ``expires_after`` or a quota exceeded, 413 past ``limit`` bytes (nothing is kept).
     """
     content_type, options = parse_options_header(request.headers.get("content-type"))
     boundary = options.get(b"boundary")
@@ -257,7 +261,7 @@ async def receive_upload(request: Request, owner: str, records: ApiRecords,
                 raise too_big
             await anyio.to_thread.run_sync(parser.write, chunk)
         parser.finalize()
-        return await anyio.to_thread.run_sync(form.finish, records, owner)
+        return await anyio.to_thread.run_sync(form.finish, records, owner, quotas)
     except ClientDisconnect:
         raise ApiError(400, "the upload was cut off") from None
     except MultipartParseError as exc:
@@ -328,7 +332,7 @@ class _Form:
         if not self._into_file and self._name and len(self.fields) < MAX_FIELDS:
             self.fields[self._name] = self._data.decode("utf-8", "replace")
 
-    def finish(self, records: ApiRecords, owner: str) -> File:
+    def finish(self, records: ApiRecords, owner: str, quotas: Quotas) -> File:
         if self.over_limit:
             raise ApiError(413, f"the file is over the {self.limit}-byte upload limit")
         if self.upload is None:
@@ -337,15 +341,31 @@ class _Form:
         if purpose != "batch":
             raise ApiError(400, f"purpose {quote(purpose)} is not supported: kvbatch takes files "
                                 "with purpose 'batch'", param="purpose")
+        expires_in_s = self._expires_in_s(quotas.settings.file_retention_s)
         size = self.upload.commit()
         self.done = True
         try:
             row = records.add(File(id=self.file_id, owner_id=owner, purpose=purpose,
-                                   filename=self.filename, bytes=size, kind="upload"))
+                                   filename=self.filename, bytes=size, kind="upload"),
+                              expires_in_s,
+                              before=lambda session: quotas.check_upload(session, owner, size))
         except Exception:
             self.storage.delete(self.file_id)
             raise
         return row
+
+    def _expires_in_s(self, default_s: int) -> int:
+        """OpenAI's ``expires_after`` (anchor ``created_at``, 3600 to 2592000 seconds), else
+        ``default_s``."""
+        anchor = self.fields.get("expires_after[anchor]")
+        seconds = self.fields.get("expires_after[seconds]")
+        if anchor is None and seconds is None:
+            return default_s
+        if anchor != "created_at" or seconds is None or not seconds.isdigit() or not (
+                MIN_EXPIRY_S <= int(seconds) <= MAX_EXPIRY_S):
+            raise ApiError(400, "expires_after is {anchor: 'created_at', seconds: "
+                                f"{MIN_EXPIRY_S} to {MAX_EXPIRY_S}}}", param="expires_after")
+        return int(seconds)
 
     def discard(self) -> None:
         if self.upload is not None and not self.done:

@@ -42,6 +42,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 
 from jobs.api.objects import ApiError, not_found, openai_status
+from jobs.api.quotas import Quotas
 from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import FileStorage, read_chunks
@@ -109,6 +110,7 @@ class BatchRunner:
             client, records, storage, settings)
         self.models = frozenset(models)  # the deployment's (KVBATCH_MODELS)
         self.batches = client.batches
+        self.quotas = Quotas(settings)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="batch")
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -143,7 +145,8 @@ class BatchRunner:
         batch_id = new_id("batch_")
         self.batches.create(batch_id, window_s, [ApiBatch(
             id=batch_id, owner_id=owner, input_file_id=input_file_id, endpoint=endpoint,
-            completion_window=completion_window, meta=metadata)])
+            completion_window=completion_window, meta=metadata)], owner=owner,
+            before=lambda session: self.quotas.check_batch(session, owner))
         self.wake()
         return self._own(owner, batch_id)
 
@@ -178,16 +181,29 @@ class BatchRunner:
     # -- the runner ------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Move every unfinished batch along each ``poll_interval_s`` (or when woken) until
-        :meth:`stop`."""
+        """Move every unfinished batch along, and purge expired files, each
+        ``poll_interval_s`` (or when woken) until :meth:`stop`."""
         while not self._stop.is_set():
             try:
                 for row in self.records.unfinished():
                     self.advance(row)
+                self.purge_expired()
             except Exception:  # a database outage: try again next round
                 log.exception("batch round failed")
             self._wake.wait(self.settings.poll_interval_s)
             self._wake.clear()
+
+    def purge_expired(self) -> int:
+        """Delete the files past their ``expires_at`` (rows, then content; one index seek when
+        there are none, so every replica runs it every round); how many."""
+        purged = 0
+        for row in self.records.expired_files():
+            if self.records.delete_file(None, row.id):
+                self.storage.delete(row.id)
+                purged += 1
+        if purged:
+            log.info("retention: purged %d expired files", purged)
+        return purged
 
     def wake(self) -> None:
         """Look at the batches now rather than at the next round."""
@@ -285,7 +301,7 @@ class BatchRunner:
         self.records.set_errors(row.id, {"object": "list", "data": [LineError(
             "output_failed", f"the output files could not be written in {tries} tries: "
                              f"{why}").entry()]})
-        if self.records.record_files(row.id, [], lease.token):
+        if self.records.record_files(row.id, [], lease.token, self.settings.file_retention_s):
             log.warning("batch %s %s without its files: %s", row.id, row.batch.status, why)
 
     def _going(self, batch_id: str, lease: Lease) -> bool:
@@ -379,6 +395,12 @@ class BatchRunner:
                 break
         if total == 0 and not errors:
             errors.append(LineError("empty_file", "the input file holds no requests"))
+        if not errors:
+            try:
+                with self.records.session() as session:
+                    self.quotas.check_rows(session, row.owner_id, total)
+            except ApiError as exc:
+                errors.append(LineError("quota_exceeded", exc.message))
         return errors
 
     def _specs(self, row: ApiBatch,
@@ -443,7 +465,8 @@ class BatchRunner:
             if file.bytes:
                 files.append(file)
         assert lease.token is not None
-        if self.records.record_files(row.id, files, lease.token):
+        if self.records.record_files(row.id, files, lease.token,
+                                     self.settings.file_retention_s):
             log.info("batch %s %s", row.id, row.batch.status)
 
     def _write_output(self, batch: ApiBatch, kind: str, lease: Lease) -> File | None:

@@ -41,7 +41,7 @@ def unix(dt: datetime | None) -> int | None:
 def file_object(row: File) -> dict[str, Any]:
     return {"id": row.id, "object": "file", "bytes": row.bytes, "created_at": unix(row.created_at),
             "filename": row.filename, "purpose": row.purpose, "status": "processed",
-            "expires_at": None, "status_details": None}
+            "expires_at": unix(row.expires_at), "status_details": None}
 
 
 def openai_status(row: ApiBatch) -> str:

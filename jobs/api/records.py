@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, or_, select, update
@@ -34,12 +36,24 @@ class ApiRecords:
     def session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
 
-    def add(self, row: File) -> File:
-        """Insert ``row`` with the database's time as its ``created_at``."""
+    def add(self, row: File, expires_in_s: float,
+            before: Callable[[Session], None] = lambda _: None) -> File:
+        """Insert ``row`` with the database's time as its ``created_at``, expiring
+        ``expires_in_s`` later; ``before`` runs first in the same transaction (a quota check
+        that raises)."""
         with self.session() as session, session.begin():
+            before(session)
             row.created_at = db_now(session)
+            row.expires_at = row.created_at + timedelta(seconds=expires_in_s)
             session.add(row)
         return row
+
+    def expired_files(self, limit: int = 1000) -> list[File]:
+        """Files past their ``expires_at`` (the database's clock), oldest first."""
+        with self.session() as session:
+            return list(session.scalars(
+                select(File).where(File.expires_at <= db_now(session))
+                .order_by(File.expires_at).limit(limit)))
 
     def get(self, kind: type[Row], owner: str | None, object_id: str) -> Row | None:
         """The object ``object_id`` of ``owner`` (of anyone when ``owner`` is None)."""
@@ -62,10 +76,14 @@ class ApiRecords:
             rows = list(session.scalars(query))
         return rows[:limit], len(rows) > limit
 
-    def delete_file(self, owner: str, file_id: str) -> bool:
+    def delete_file(self, owner: str | None, file_id: str) -> bool:
+        """Delete the row of ``owner``'s file ``file_id`` (of anyone's when ``owner`` is
+        None); False if there was none."""
+        query = select(File).where(File.id == file_id)
+        if owner is not None:
+            query = query.where(File.owner_id == owner)
         with self.session() as session, session.begin():
-            row = session.scalars(select(File).where(File.id == file_id,
-                                                     File.owner_id == owner)).first()
+            row = session.scalars(query).first()
             if row is None:
                 return False
             session.delete(row)
@@ -102,10 +120,12 @@ class ApiRecords:
                            ApiBatch.files_at.is_(None) & (Batch.status != BatchStatus.FAILED)))
                 .order_by(ApiBatch.id)))
 
-    def record_files(self, batch_id: str, files: list[File], fence: int) -> bool:
-        """Insert an ended batch's output ``files`` and record them on the batch in one
-        transaction, if ``fence`` is still the batch lease's newest token; False (nothing
-        changed) if not, or if its files were recorded already."""
+    def record_files(self, batch_id: str, files: list[File], fence: int,
+                     expires_in_s: float) -> bool:
+        """Insert an ended batch's output ``files`` (expiring ``expires_in_s`` from now) and
+        record them on the batch in one transaction, if ``fence`` is still the batch lease's
+        newest token; False (nothing changed) if not, or if its files were recorded
+        already."""
         with self.session() as session, session.begin():
             if not fence_batch(session, batch_id, fence):
                 return False
@@ -118,6 +138,6 @@ class ApiRecords:
             if recorded.rowcount != 1:
                 return False
             for f in files:
-                f.created_at = now
+                f.created_at, f.expires_at = now, now + timedelta(seconds=expires_in_s)
                 session.add(f)
         return True

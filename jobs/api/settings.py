@@ -28,6 +28,20 @@ class ApiSettings(BaseSettings):
                                                                      "input file")
     poll_interval_s: float = Field(1.0, gt=0, description="how often batches in progress are "
                                                           "looked at")
+    max_files_per_key: int = Field(1000, gt=0, description="files a key may hold (its uploads "
+                                                          "and its batches' output files)")
+    max_stored_bytes_per_key: int = Field(10 * 2**30, gt=0, description="bytes of the files a "
+                                                                        "key may hold")
+    max_active_batches_per_key: int = Field(100, gt=0, description="a key's batches not ended "
+                                                                   "(validating, in progress, "
+                                                                   "finalizing)")
+    max_queued_rows_per_key: int = Field(2_000_000, gt=0, description="requests of a key's "
+                                                                      "batches queued or "
+                                                                      "running")
+    file_retention_s: int = Field(30 * 86400, gt=0, description="how long a file is kept when "
+                                                               "its upload gives no "
+                                                               "expires_after (and every "
+                                                               "output file)")
     max_attempts: int = Field(5, ge=1, description="tries at validating a batch, and at "
                                                    "writing its files, before it ends without "
                                                    "(failed, or without its files)")

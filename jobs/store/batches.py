@@ -11,7 +11,7 @@ Then the batch is finalized: its exports (``jobs.export``), the completion event
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,13 +49,17 @@ class BatchStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def create(self, batch_id: str, window_s: float, with_rows: Sequence[object] = ()) -> Batch:
-        """A new ``validating`` batch, due ``window_s`` from now (the database's clock), inserted
-        with ``with_rows`` (what the caller adds to it) in one transaction."""
+    def create(self, batch_id: str, window_s: float, with_rows: Sequence[object] = (), *,
+               owner: str | None = None,
+               before: Callable[[Session], None] = lambda _: None) -> Batch:
+        """A new ``validating`` batch of tenant ``owner``, due ``window_s`` from now (the
+        database's clock), inserted with ``with_rows`` (what the caller adds to it) in one
+        transaction, which ``before`` starts (a quota check that raises)."""
         with Session(self.engine, expire_on_commit=False) as session, session.begin():
+            before(session)
             now = db_now(session)
             row = Batch(id=batch_id, model="", meta={}, created_at=now, num_jobs=0,
-                        deadline_at=now + timedelta(seconds=window_s),
+                        deadline_at=now + timedelta(seconds=window_s), owner=owner,
                         status=BatchStatus.VALIDATING.value)
             session.add(row)
             session.flush()

@@ -3,14 +3,14 @@ order and marked fed (handed to the model's stream) in the same transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain, zip_longest
 from typing import Any
 
 from sqlalchemy import ColumnElement, Engine, and_, func, select, text, update
 from sqlalchemy.orm import Session
 
-from jobs.models import BACKLOG, Job
+from jobs.models import BACKLOG, Batch, Job
 from jobs.schemas import JobSpec, JobStatus
 from jobs.store.transitions import db_now, end_many
 
@@ -63,8 +63,10 @@ class FeedStore:
         them in the order they should enter the stream, with the ids of jobs failed instead
         (stored specs today's rules refuse).
 
-        Order: the best (lowest) priority first; within a priority, round-robin over its
-        batches (jobs without a batch are one more group), oldest job first in each, so a small
+        Order: the best (lowest) priority first; within a priority, round-robin over tenants
+        (``batches.owner``: an API key, or NULL for the SDK's batches and jobs without a batch,
+        one tenant together), and within a tenant over its batches, oldest job first in each:
+        a key with many batches gets no more of the stream than a key with one, and a small
         batch is not stuck behind a large one submitted earlier. Rows another feeder is taking
         are skipped (PostgreSQL's ``SKIP LOCKED``), and the guarded update marks each job once.
         """
@@ -81,10 +83,12 @@ class FeedStore:
                 groups = _groups(session, model, priority, self._after.get(model, ""))
                 if not groups:
                     break
-                share = -(-left // len(groups))
-                taken = [_oldest(session, model, priority, g, share) for g in groups]
-                ids = [i for i in chain.from_iterable(zip_longest(*taken)) if i is not None]
-                ids = ids[:left]
+                tenants = _by_tenant(session, groups)
+                share = -(-left // len(tenants))  # per tenant, then split over its batches
+                ids = _interleave(
+                    _interleave(_oldest(session, model, priority, g, -(-share // len(batches)))
+                                for g in batches)[:share]
+                    for batches in tenants)[:left]
                 if not ids:  # all locked by another feeder
                     break
                 self._after[model] = groups[-1] or ""
@@ -102,6 +106,22 @@ class FeedStore:
                               for job_id, why in invalid.items()],
                     JobStatus.FAILED, now.timestamp())]
         return specs, failed
+
+
+def _interleave(lists: Iterable[list[str]]) -> list[str]:
+    """Round-robin over ``lists``: the first of each, then the second of each, ..."""
+    return [i for i in chain.from_iterable(zip_longest(*lists)) if i is not None]
+
+
+def _by_tenant(session: Session, groups: list[str | None]) -> list[list[str | None]]:
+    """``groups`` (batch ids, None for jobs without a batch) by tenant (``batches.owner``; the
+    SDK's, NULL, takes jobs without a batch too), in order of each tenant's first group."""
+    owners = dict(session.execute(select(Batch.id, Batch.owner).where(
+        Batch.id.in_([g for g in groups if g is not None]))).all())
+    tenants: dict[str | None, list[str | None]] = {}
+    for group in groups:
+        tenants.setdefault(owners.get(group) if group is not None else None, []).append(group)
+    return list(tenants.values())
 
 
 def _groups(session: Session, model: str, priority: int, after: str) -> list[str | None]:

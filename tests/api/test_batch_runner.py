@@ -76,7 +76,7 @@ def _write_input(runner: BatchRunner, owner: str, rows: int, extra: bytes = b"")
     upload.write(extra)
     upload.commit()
     runner.records.add(File(id="file-input", owner_id=owner, purpose="batch",
-                            filename="in.jsonl", bytes=0, kind="upload"))
+                            filename="in.jsonl", bytes=0, kind="upload"), 3600)
 
 
 def _runner(services: dict[str, str], storage: DirectoryStorage,

@@ -233,3 +233,24 @@ def test_a_bulk_load_refreshes_the_planner_statistics(redis_client: redis.Redis,
     while not analyzed() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert analyzed()
+
+
+def test_share_is_per_tenant_then_per_batch(sql_engine: sa.Engine) -> None:
+    """A key with five batches gets no more of the stream than a key with one: the feeder's
+    moves alternate between the two owners, and the first's spread over its batches."""
+    many = {f"a{b}": [JobSpec(model=MODEL, prompt=f"a{b}-{i}", batch_id=f"a{b}",
+                              custom_id=f"{i}") for i in range(10)] for b in range(5)}
+    one = [JobSpec(model=MODEL, prompt=f"b{i}", batch_id="b0", custom_id=f"{i}")
+           for i in range(10)]
+    store = SQL(sql_engine)
+    for specs in (*many.values(), one):
+        store.insert_jobs(specs)
+    with sql_engine.begin() as conn:
+        conn.execute(sa.text("UPDATE batches SET owner = CASE WHEN id = 'b0' THEN 'key-b' "
+                             "ELSE 'key-a' END"))
+    first, _ = FeedStore(sql_engine).take(MODEL, 10)
+    owners = ["key-b" if s.batch_id == "b0" else "key-a" for s in first]
+    assert owners == ["key-a", "key-b"] * 5
+    assert sorted(s.batch_id for s in first if s.batch_id != "b0") == sorted(many)
+    rest, _ = FeedStore(sql_engine).take(MODEL, 60)
+    assert [s.batch_id for s in rest].count("b0") == 5  # what was left of it
