@@ -1,4 +1,4 @@
-"""kvbatch job contract and client SDK: ``from jobs import Client, AsyncClient``."""
+"""kvbatch job contract and client SDK: ``from jobs import Client, AsyncClient, Pipeline``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 _EXPORTS = {
     "Client": "jobs.sdk", "JobHandle": "jobs.sdk", "BatchHandle": "jobs.sdk",
     "BatchCounts": "jobs.sdk", "JobFailed": "jobs.sdk",
+    "Pipeline": "jobs.pipeline",
     "AsyncClient": "jobs.aio", "AsyncJobHandle": "jobs.aio", "AsyncBatchHandle": "jobs.aio",
 }
 __all__ = sorted(_EXPORTS)

@@ -341,8 +341,19 @@ class JobClient:
             poll_interval_s: how often SQL is read when no completion notice arrives.
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
-        follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
-        yield from self._drive(follower, follower.take)
+        yield from self.follow_open(self.follower(job_ids, timeout_s, poll_interval_s, batch_id))
+
+    def follow_open(self, follower: Follower) -> Iterator[JobInfo]:
+        """:meth:`follow` the jobs of ``follower`` (made by :meth:`follower`, with no
+        ``batch_id``), to which :meth:`follow_more` may add jobs while this is iterated: it
+        ends once none is left to report."""
+        return self._drive(follower, follower.take)
+
+    def follow_more(self, follower: Follower, job_ids: Collection[str]) -> None:
+        """Follow ``job_ids`` too within the :meth:`follow_open` of ``follower``; call it
+        between two of its results (before the last ends the iteration)."""
+        follower.add(job_ids)
+        self.notices.extend(follower, job_ids)
 
     def _drive(self, follower: Follower, take: Callable[[], Iterable[T]]) -> Iterator[T]:
         """Yield what ``take`` finds until ``follower`` has nothing pending, woken by the

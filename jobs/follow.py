@@ -65,6 +65,11 @@ class Follower:
             if job_id in self.pending:
                 self._noticed.add(job_id)
 
+    def add(self, job_ids: Collection[str]) -> None:
+        """Follow ``job_ids`` too (its client's hub must be told: ``JobClient.follow_more``)."""
+        with self._lock:
+            self.pending |= set(job_ids)
+
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
@@ -132,6 +137,7 @@ class NoticeHub:
         self._lock = threading.Lock()
         self._by_job: dict[str, dict[int, tuple[Follower, Callable[[], None]]]] = {}
         self._jobs_of: dict[int, list[str]] = {}
+        self._wake_of: dict[int, Callable[[], None]] = {}
         self._joined: list[str] = []  # jobs of followers that joined since the last poll
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,19 +149,30 @@ class NoticeHub:
     def add(self, follower: Follower, wake: Callable[[], None]) -> None:
         """Deliver notices for ``follower``'s pending jobs; ``wake()`` after each one."""
         with self._lock:
-            self._jobs_of[id(follower)] = list(follower.pending)
-            for job_id in follower.pending:
-                self._by_job.setdefault(job_id, {})[id(follower)] = (follower, wake)
-            if follower.shared_poll:
-                self._joined += follower.pending
+            self._wake_of[id(follower)] = wake
+            self._register(follower, list(follower.pending))
             if self._thread is None or not self._thread.is_alive():
                 self._closed.clear()
                 self._thread = threading.Thread(target=self._run, name="kvbatch-notices",
                                                 daemon=True)
                 self._thread.start()
 
+    def extend(self, follower: Follower, job_ids: Collection[str]) -> None:
+        """Deliver notices for ``job_ids`` too to ``follower`` (added before)."""
+        with self._lock:
+            self._register(follower, list(job_ids))
+
+    def _register(self, follower: Follower, job_ids: list[str]) -> None:
+        wake = self._wake_of[id(follower)]
+        self._jobs_of.setdefault(id(follower), []).extend(job_ids)
+        for job_id in job_ids:
+            self._by_job.setdefault(job_id, {})[id(follower)] = (follower, wake)
+        if follower.shared_poll:
+            self._joined += job_ids
+
     def remove(self, follower: Follower) -> None:
         with self._lock:
+            self._wake_of.pop(id(follower), None)
             for job_id in self._jobs_of.pop(id(follower), []):
                 waiting = self._by_job.get(job_id)
                 if waiting is not None:

@@ -1,0 +1,210 @@
+"""One run of a :class:`jobs.pipeline.Pipeline`: submit, follow in completion order, feed
+the next stages, write the rows out.
+
+Every job of the run is followed by one :class:`jobs.follow.Follower` that grows as rows move
+on: when a job finishes, its row is parsed (or retried with another seed), filtered, exploded
+into the stages it feeds and submitted there at once, so a stage starts on its first rows
+while the stage before is still running. Submissions go through ``Client.submit_batch`` with
+the row's key as ``custom_id``: a row the stage's batch already holds (from a run that was
+interrupted, or finished) is not submitted again, and its stored result is used.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic_core import to_jsonable_python
+
+from jobs.follow import Follower
+from jobs.pipeline import Pipeline, RowDict, Stage, canonical
+from jobs.schemas import JobInfo, JobStatus
+from jobs.sdk import Client
+
+
+@dataclass
+class StageSummary:
+    """What one stage did in a run (rows it reused from an earlier run included)."""
+
+    rows_in: int = 0
+    rows_out: int = 0
+    filtered: int = 0
+    failed: int = 0
+    retried: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt tokens found in the prefix cache, over all prompt tokens."""
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class PipelineResult:
+    """The rows out of the last stages, the rows that failed, and each stage's summary."""
+
+    rows: list[RowDict] = field(default_factory=list)
+    failed: list[RowDict] = field(default_factory=list)
+    summary: dict[str, StageSummary] = field(default_factory=dict)
+
+    def table(self) -> str:
+        """The summary as a text table, a line per stage."""
+        head = ("stage", "in", "out", "filtered", "failed", "retried", "prompt", "generated",
+                "cache hit")
+        lines = [head] + [(name, *(str(getattr(s, f)) for f in (
+            "rows_in", "rows_out", "filtered", "failed", "retried", "prompt_tokens",
+            "generated_tokens")), f"{s.prefix_cache_hit_rate:.0%}")
+            for name, s in self.summary.items()]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
+                         for line in lines)
+
+
+@dataclass(frozen=True)
+class _Task:
+    """A row in a stage: its job's try ``attempt``."""
+
+    stage: Stage
+    row: RowDict
+    lineage: dict[str, str]  # stage name -> key of this row's ancestors (and, once run, its)
+    key: str
+    attempt: int
+
+
+class PipelineRun:
+    """The state of one run: the jobs followed, what each stage did, the open outputs."""
+
+    def __init__(self, pipeline: Pipeline, client: Client, progress: bool | None) -> None:
+        self.pipeline, self.client = pipeline, client
+        self.fed = {s: [c for c in pipeline.stages if c.source is s] for s in pipeline.stages}
+        self.pending: dict[str, _Task] = {}  # job id -> its task
+        self.follower: Follower | None = None  # made once the first rows are submitted
+        self.result = PipelineResult(summary={s.name: StageSummary() for s in pipeline.stages})
+        enabled = sys.stderr.isatty() if progress is None else progress
+        from tqdm import tqdm
+
+        self.bars = {s.name: tqdm(total=0, desc=s.name, unit="row", position=i, leave=True,
+                                  file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+                     for i, s in enumerate(pipeline.stages)}
+        self.output: IO[str] | None = None
+        self.errors: IO[str] | None = None
+
+    def run(self, output: str | Path | None, errors: str | Path | None,
+            timeout_s: float | None) -> PipelineResult:
+        self.output = open(output, "w") if output is not None else None  # noqa: SIM115
+        self.errors = open(errors, "w") if errors is not None else None  # noqa: SIM115
+        try:
+            jobs = self.client.jobs
+            for stage in self.pipeline.stages:
+                if stage.source is None:
+                    self._enter(stage, self.pipeline.rows[stage.name], {}, "")
+            self.follower = jobs.follower(list(self.pending), timeout_s)
+            for info in jobs.follow_open(self.follower):
+                self._done(self.pending.pop(info.id), info)
+        finally:
+            for f in (self.output, self.errors):
+                if f is not None:
+                    f.close()
+            for bar in self.bars.values():
+                bar.close()
+        return self.result
+
+    def _enter(self, stage: Stage, rows: Iterable[RowDict], lineage: dict[str, str],
+               parent_key: str) -> None:
+        """Submit the rows that enter ``stage`` from one parent row (or the first rows)."""
+        seen: Counter[str] = Counter()
+        tasks = []
+        for row in rows:
+            content = canonical(row)
+            seen[content] += 1
+            tasks.append(_Task(stage, row, lineage, stage.row_key(parent_key, row,
+                                                                  seen[content] - 1), 0))
+        self.result.summary[stage.name].rows_in += len(tasks)
+        self.bars[stage.name].total += len(tasks)
+        self.bars[stage.name].refresh()
+        self._submit(stage, 0, tasks)
+
+    def _submit(self, stage: Stage, attempt: int, tasks: list[_Task]) -> None:
+        by_id: dict[str, _Task] = {}
+        rows = []
+        for task in tasks:
+            custom_id = task.key if attempt == 0 else f"{task.key}.{attempt}"
+            try:
+                prompt = stage.prompt(task.row)
+            except Exception as exc:  # the user's function failed on this row: it fails alone
+                self._fail(task, f"prompt: {exc!r}")
+                continue
+            by_id[custom_id] = task
+            rows.append({"custom_id": custom_id,
+                         ("prompt" if isinstance(prompt, str) else "messages"): prompt,
+                         "metadata": {"pipeline": self.pipeline.name, "stage": stage.name,
+                                      "key": task.key, "parent": task.lineage.get(
+                                          stage.source.name, "") if stage.source else "",
+                                      "attempt": attempt}})
+        if not rows:
+            return
+        rejected: dict[str, Any] = {}
+        handle = self.client.submit_batch(rows, batch_id=stage.batch_id, model=stage.model,
+                                          rejected=rejected, **stage.job_sampling(attempt))
+        for custom_id, row in rejected.items():
+            self._fail(by_id[custom_id], row.error)
+        submitted = {job_id: by_id[c] for c, job_id in handle.submitted.items()}
+        self.pending.update(submitted)
+        if self.follower is not None:
+            self.client.jobs.follow_more(self.follower, list(submitted))
+
+    def _done(self, task: _Task, info: JobInfo) -> None:
+        stage, summary = task.stage, self.result.summary[task.stage.name]
+        if info.result is not None:
+            usage = info.result.usage
+            summary.prompt_tokens += usage.prompt_tokens
+            summary.cached_prompt_tokens += usage.cached_prompt_tokens
+            summary.generated_tokens += usage.completion_tokens
+        if info.status is not JobStatus.SUCCEEDED or info.result is None:
+            self._fail(task, info.error or info.status.value)
+            return
+        texts = [c.text for c in info.result.choices] or [info.result.text]
+        try:
+            values = [stage.value(task.row, text) for text in texts]
+        except Exception as exc:  # did not parse: another seed, while tries are left
+            if task.attempt < stage.retries:
+                summary.retried += 1
+                self._submit(stage, task.attempt + 1, [_Task(stage, task.row, task.lineage,
+                                                             task.key, task.attempt + 1)])
+            else:
+                self._fail(task, f"parse: {exc}")
+            return
+        self.bars[stage.name].update()
+        row = {**task.row, stage.name: values[0] if len(values) == 1 else values}
+        if stage.keep is not None and not stage.keep(row):
+            summary.filtered += 1
+            return
+        summary.rows_out += 1
+        lineage = {**task.lineage, stage.name: task.key}
+        for child in self.fed[stage]:
+            self._enter(child, child.explode(row) if child.explode else [row], lineage,
+                        task.key)
+        if not self.fed[stage]:
+            self.result.rows.append(row)
+            self._write(self.output, {**to_jsonable_python(row), "_lineage": lineage})
+
+    def _fail(self, task: _Task, error: str | None) -> None:
+        self.result.summary[task.stage.name].failed += 1
+        self.bars[task.stage.name].update()
+        failure = {"stage": task.stage.name, "key": task.key, "lineage": task.lineage,
+                   "error": error, "row": to_jsonable_python(task.row)}
+        self.result.failed.append(failure)
+        self._write(self.errors, failure)
+
+    @staticmethod
+    def _write(out: IO[str] | None, line: RowDict) -> None:
+        if out is not None:
+            out.write(json.dumps(line) + "\n")
+            out.flush()

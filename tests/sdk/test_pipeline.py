@@ -1,0 +1,161 @@
+"""Dataset pipelines through a real worker on the tiny model: rows fan out, are filtered and
+flow between stages without a barrier; a rerun (after a kill too) runs only what is missing;
+a row whose output does not parse is retried, then fails alone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import sqlalchemy as sa
+from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
+
+from jobs import Pipeline
+from jobs.sdk import Client
+
+N = 8  # source rows, of widths 1, 2, 0, 1, 2, 0, 1, 2
+
+
+def _jobs(client: Client, pipeline: str) -> dict[str, list[sa.Row]]:
+    """The pipeline's jobs by stage (from their batch ids)."""
+    with client.jobs.engine.connect() as conn:
+        rows = conn.execute(sa.text(
+            "SELECT id, batch_id, custom_id, attempts, created_at, finished_at, metadata, spec "
+            "FROM jobs WHERE batch_id LIKE :p"), {"p": f"{pipeline}.%"}).all()
+    by_stage: dict[str, list[sa.Row]] = {}
+    for row in rows:
+        by_stage.setdefault(row.batch_id.split(".")[1], []).append(row)
+    return by_stage
+
+
+def _lines(path: Path) -> list[dict]:
+    return sorted((json.loads(x) for x in path.read_text().splitlines()),
+                  key=lambda r: (r["topic"], r["question"]))
+
+
+def _texts(client: Client, rows: list[sa.Row]) -> list[str]:
+    return [i.result.text for i in client.jobs.get_many([r.id for r in rows]) if i.result]
+
+
+def test_three_stages_fan_out_filter_and_stream(client: Client, start_worker,  # type: ignore[no-untyped-def]
+                                                tmp_path: Path) -> None:
+    start_worker(max_num_seqs=1)  # stage 1 runs a row at a time: stage 2 can start early
+    pipeline = build("qa", N)
+    result = pipeline.run(client, output=tmp_path / "out.jsonl", timeout_s=120)
+    jobs = _jobs(client, "qa")
+    summary = result.summary
+    assert not result.failed and len(jobs["questions"]) == summary["questions"].rows_in == N
+    # the rows expected from what stage 1 stored: each question `width` times
+    first = pipeline.stages[0]
+    source = {first.row_key("", row, 0): row for row in pipeline.rows["questions"]}
+    expected = {(source[i.custom_id]["topic"], f"{x} #{k}")
+                for i in client.jobs.get_many([r.id for r in jobs["questions"]])
+                for x in Questions.model_validate_json(i.result.text).items
+                for k in range(source[i.custom_id]["width"])}
+    assert summary["answers"].rows_in == len(jobs["answers"]) == len(expected)
+    assert any(q.endswith("#1") for _, q in expected)  # a row fanned out in two
+    low = sum(Score.model_validate_json(t).score < KEEP_AT_LEAST
+              for t in _texts(client, jobs["judge"]))
+    kept = {(t, q) for t, q in expected if not q.endswith("#1")}
+    assert {(r["topic"], r["question"]) for r in result.rows} <= kept
+    assert len(result.rows) == summary["judge"].rows_out == len(kept) - low
+    assert summary["judge"].filtered == len(expected) - len(result.rows) > 0
+    for row in result.rows:
+        assert isinstance(row["answers"], str) and isinstance(row["judge"], Score)
+        assert row["judge"].score >= KEEP_AT_LEAST and set(row) == {
+            "topic", "question", "answers", "judge"}
+    lines = _lines(tmp_path / "out.jsonl")
+    assert [(x["topic"], x["question"], x["judge"]) for x in lines] == sorted(
+        (r["topic"], r["question"], r["judge"].model_dump()) for r in result.rows)
+    # lineage in SQL: each judge job's parent is an answers row, each of those a questions row
+    keys = {s: {r.metadata["key"]: r.metadata["parent"] for r in rows}
+            for s, rows in jobs.items()}
+    for line in lines:
+        lin = line["_lineage"]
+        assert keys["judge"][lin["judge"]] == lin["answers"]
+        assert keys["answers"][lin["answers"]] == lin["questions"]
+    # no barrier: the first answers job was created before the last questions job finished
+    assert min(r.created_at for r in jobs["answers"]) < max(r.finished_at
+                                                            for r in jobs["questions"])
+
+
+def _count(client: Client, pipeline: str) -> dict[str, int]:
+    return {stage: len(rows) for stage, rows in _jobs(client, pipeline).items()}
+
+
+def _other_judge(row: dict) -> str:
+    return f"Score this answer 0-9: {row['answers']}"
+
+
+def test_a_rerun_submits_nothing_and_a_changed_stage_reruns_alone(  # type: ignore[no-untyped-def]
+        client: Client, start_worker, tmp_path: Path) -> None:
+    start_worker()
+    first = build("qa", N).run(client, output=tmp_path / "1.jsonl", timeout_s=120)
+    counts = _count(client, "qa")
+    again = build("qa", N).run(client, output=tmp_path / "2.jsonl", timeout_s=30)
+    assert _count(client, "qa") == counts  # nothing submitted again
+    assert _lines(tmp_path / "2.jsonl") == _lines(tmp_path / "1.jsonl") != []
+    assert again.summary == first.summary
+    # a new judge prompt: a new judge batch; the questions and answers are those stored
+    changed = build("qa", N, judge=_other_judge)
+    changed.run(client, output=tmp_path / "3.jsonl", timeout_s=120)
+    jobs = _jobs(client, "qa")
+    assert {s: len(r) for s, r in jobs.items() if s != "judge"} == {
+        s: n for s, n in counts.items() if s != "judge"}
+    judges = {r.batch_id for r in jobs["judge"]}
+    assert len(judges) == 2 and changed.stages[2].batch_id in judges
+    assert len(jobs["judge"]) == 2 * counts["judge"]
+    parents = {b: sorted(r.metadata["parent"] for r in jobs["judge"] if r.batch_id == b)
+               for b in judges}  # the new judge ran on the answers rows stored
+    assert len(set(map(tuple, parents.values()))) == 1
+
+
+def test_a_killed_driver_resumes_to_the_same_rows(client: Client, start_worker,  # type: ignore[no-untyped-def]
+                                                   tmp_path: Path,
+                                                   cli_env: dict[str, str]) -> None:
+    start_worker(max_num_seqs=1)
+    build("fresh", N).run(client, output=tmp_path / "fresh.jsonl", timeout_s=120)
+    driver = subprocess.Popen([sys.executable, str(Path(__file__).parent / "pipeline_qa.py"),
+                               "killed", str(N), str(tmp_path / "killed.jsonl")], env=cli_env)
+    deadline = time.monotonic() + 60
+    while not _jobs(client, "killed").get("answers"):
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    mid = _count(client, "killed")
+    assert mid.get("judge", 0) < _count(client, "fresh")["judge"]  # killed before the end
+    build("killed", N).run(client, output=tmp_path / "killed.jsonl", timeout_s=120)
+    assert _lines(tmp_path / "killed.jsonl") == _lines(tmp_path / "fresh.jsonl") != []
+    questions = _jobs(client, "killed")["questions"]
+    assert len(questions) == N and {r.attempts for r in questions} == {1}
+
+
+def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[no-untyped-def]
+        client: Client, start_worker, tmp_path: Path) -> None:
+    start_worker()
+
+    def parse(row: dict, text: str) -> str:
+        if row["i"] == 2:
+            raise ValueError("not a number")
+        return text.upper()
+
+    p = Pipeline("flaky")
+    p.stage("gen", source=[{"i": i} for i in range(4)], prompt=lambda r: f"say {r['i']}",
+            parse=parse, retries=2, max_tokens=4, temperature=0.0, seed=11)
+    result = p.run(client, output=tmp_path / "out.jsonl", errors=tmp_path / "err.jsonl",
+                   timeout_s=60)
+    assert sorted(r["i"] for r in result.rows) == [0, 1, 3]
+    assert all(r["gen"] == r["gen"].upper() for r in result.rows)
+    (failure,) = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert failure["row"] == {"i": 2} and failure["error"] == "parse: not a number"
+    summary = result.summary["gen"]
+    assert (summary.rows_in, summary.rows_out, summary.failed, summary.retried) == (4, 3, 1, 2)
+    jobs = _jobs(client, "flaky")["gen"]
+    tries = sorted((r.metadata["attempt"], r.spec["sampling"]["seed"]) for r in jobs
+                   if r.metadata["key"] == failure["key"])
+    assert tries == [(0, 11), (1, 12), (2, 13)] and len(jobs) == 6  # another seed each try
