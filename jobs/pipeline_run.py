@@ -11,6 +11,7 @@ interrupted, or finished) is not submitted again, and its stored result is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -98,9 +99,11 @@ class PipelineRun:
 
     def run(self, output: str | Path | None, errors: str | Path | None,
             timeout_s: float | None) -> PipelineResult:
-        self.output = open(output, "w") if output is not None else None  # noqa: SIM115
-        self.errors = open(errors, "w") if errors is not None else None  # noqa: SIM115
-        try:
+        with contextlib.ExitStack() as stack:
+            self.output = stack.enter_context(open(output, "w")) if output else None
+            self.errors = stack.enter_context(open(errors, "w")) if errors else None
+            for bar in self.bars.values():
+                stack.callback(bar.close)
             jobs = self.client.jobs
             for stage in self.pipeline.stages:
                 if stage.source is None:
@@ -108,12 +111,6 @@ class PipelineRun:
             self.follower = jobs.follower(list(self.pending), timeout_s)
             for info in jobs.follow_open(self.follower):
                 self._done(self.pending.pop(info.id), info)
-        finally:
-            for f in (self.output, self.errors):
-                if f is not None:
-                    f.close()
-            for bar in self.bars.values():
-                bar.close()
         return self.result
 
     def _enter(self, stage: Stage, rows: Iterable[RowDict], lineage: dict[str, str],
@@ -183,15 +180,21 @@ class PipelineRun:
             return
         self.bars[stage.name].update()
         row = {**task.row, stage.name: values[0] if len(values) == 1 else values}
-        if stage.keep is not None and not stage.keep(row):
+        try:  # the user's functions: one that raises on this row fails the row alone
+            kept = stage.keep is None or stage.keep(row)
+            fed = [(child, list(child.explode(row)) if child.explode else [row])
+                   for child in self.fed[stage] if kept]
+        except Exception as exc:
+            self._fail(task, f"keep or explode: {exc!r}")
+            return
+        if not kept:
             summary.filtered += 1
             return
         summary.rows_out += 1
         lineage = {**task.lineage, stage.name: task.key}
-        for child in self.fed[stage]:
-            self._enter(child, child.explode(row) if child.explode else [row], lineage,
-                        task.key)
-        if not self.fed[stage]:
+        for child, rows in fed:
+            self._enter(child, rows, lineage, task.key)
+        if not fed:
             self.result.rows.append(row)
             self._write(self.output, {**to_jsonable_python(row), "_lineage": lineage})
 

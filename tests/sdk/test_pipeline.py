@@ -5,18 +5,22 @@ a row whose output does not parse is retried, then fails alone."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
 
 from jobs import Pipeline
+from jobs.constants import DEFAULT_MODEL
 from jobs.sdk import Client
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "pipelines.md"
 N = 8  # source rows, of widths 1, 2, 0, 1, 2, 0, 1, 2
 
 
@@ -159,3 +163,34 @@ def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[
     tries = sorted((r.metadata["attempt"], r.spec["sampling"]["seed"]) for r in jobs
                    if r.metadata["key"] == failure["key"])
     assert tries == [(0, 11), (1, 12), (2, 13)] and len(jobs) == 6  # another seed each try
+
+
+def test_n_samples_make_a_list(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+    start_worker()
+    p = Pipeline("many")
+    p.stage("gen", source=[{"i": 0}], prompt=lambda r: "hello", n=3, max_tokens=5,
+            temperature=0.0)
+    result = p.run(client, timeout_s=60)
+    assert not result.failed
+    (row,) = result.rows
+    assert isinstance(row["gen"], list) and len(row["gen"]) == 3 and len(set(row["gen"])) == 1
+
+
+def test_the_docs_example_runs(services: dict[str, str], start_worker,  # type: ignore[no-untyped-def]
+                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    (block,) = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    for name, value in services.items():
+        monkeypatch.setenv(f"KVBATCH_{name.upper()}", value)
+    monkeypatch.chdir(tmp_path)
+    start_worker(served_model_name=DEFAULT_MODEL)  # the tiny model, under the default name
+    scope: dict = {"__name__": "pipelines_md"}
+    exec(compile(block, str(DOCS), "exec", dont_inherit=True), scope)  # no future annotations
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in table] == ["stage", "questions", "answers", "judge"]
+    result = scope["result"]
+    assert result.summary["questions"].rows_in == 3
+    assert result.summary["judge"].rows_in == result.summary["answers"].rows_out
+    lines = [json.loads(x) for x in (tmp_path / "qa.jsonl").read_text().splitlines()]
+    assert len(lines) == len(result.rows) == result.summary["judge"].rows_out
+    assert all(scope["Score"].model_validate(x["judge"]).score >= 4 for x in lines)
