@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the names, for type checkers and readers
     from engine.outputs import FinishReason as FinishReason
     from engine.outputs import RequestMetrics as RequestMetrics
     from engine.outputs import RequestOutput as RequestOutput
+    from engine.pooling_params import PoolingParams as PoolingParams
     from engine.sampling_params import SamplingParams as SamplingParams
 
 _EXPORTS = {
@@ -25,6 +26,7 @@ _EXPORTS = {
     "EngineStats": "engine.outputs",
     "FinishReason": "engine.outputs",
     "LLMEngine": "engine.llm_engine",
+    "PoolingParams": "engine.pooling_params",
     "RequestMetrics": "engine.sequence",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",

@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampled
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ModelOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +32,8 @@ class FaultIsolator:
         self.runner = runner
         self._ran = False  # some part of the current step ran
 
-    def run(self, batch: SchedulerOutput) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
-        """(sampled tokens by seq_id, request id -> error) of the sequences that ran."""
+    def run(self, batch: SchedulerOutput) -> tuple[ModelOutput, dict[str, str]]:
+        """(what the runner computed, request id -> error) of the sequences that ran."""
         try:
             return self.runner.run(batch), {}
         except Exception as exc:
@@ -55,10 +54,10 @@ class FaultIsolator:
         return True
 
     def _bisect(self, batch: SchedulerOutput,
-                exc: Exception) -> tuple[dict[int, list[Sampled]], dict[str, str]]:
+                exc: Exception) -> tuple[ModelOutput, dict[str, str]]:
         if len(batch.seqs) == 1:
-            return {}, {batch.seqs[0].seq.request_id: f"{type(exc).__name__}: {exc}"}
-        sampled: dict[int, list[Sampled]] = {}
+            return ModelOutput(), {batch.seqs[0].seq.request_id: f"{type(exc).__name__}: {exc}"}
+        sampled = ModelOutput()
         faults: dict[str, str] = {}
         middle = len(batch.seqs) // 2
         for seqs in (batch.seqs[:middle], batch.seqs[middle:]):

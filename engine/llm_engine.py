@@ -20,6 +20,8 @@ from engine.model_runner import ModelRunner
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import EngineStats, FinishReason, RequestMetrics, RequestOutput
+from engine.pooler import PoolingConfig
+from engine.pooling_params import PoolingParams
 from engine.processor import Processor
 from engine.prompts import Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
@@ -32,6 +34,8 @@ from kernels import get_ops, resolve_backend
 log = logging.getLogger(__name__)
 
 GRAMMAR_WAIT_S = 0.05  # a step with nothing to run but grammars compiling waits this long
+
+Params = SamplingParams | PoolingParams  # a request generates, or embeds its prompt
 
 
 
@@ -112,9 +116,10 @@ class LLMEngine:
             self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, native=backend.fused,
             budget=CompileBudget(config.grammar_compile_timeout_s,
                                  config.grammar_compile_memory_bytes))
+        self.pooling = PoolingConfig.of(model_dir, hf_config)
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
-            self.structured, host_kv_caches,
+            self.structured, host_kv_caches, self.pooling,
         )
         self.runner.warm_up()
         if device.type == "cuda" and not config.enforce_eager:
@@ -131,18 +136,24 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: Prompt,
-        params: SamplingParams | None = None,
+        params: Params | None = None,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request.
+        """Queue a request: a generation, or with ``PoolingParams`` an embedding.
+
+        An embedding request is prefilled only, in the same steps as generations (chunked
+        like them), and finishes when its last prompt token is computed: its output's
+        ``embedding`` is the prompt's final hidden states pooled as the model's configuration
+        says (``PoolingConfig``: last token by default), L2-normalized; no KV is kept after.
 
         Args:
             request_id: unique among unfinished requests.
             prompt: text, token ids, or chat messages (``[{"role": ..., "content": ...}]``,
                 rendered with the tokenizer's chat template).
-            params: sampling parameters (defaults: ``SamplingParams()``).
+            params: sampling parameters (defaults: ``SamplingParams()``), or pooling
+                parameters for an embedding.
             priority: lower values are scheduled first and preempted last.
             cache_salt: requests share cached prefix blocks only with the same salt.
 
@@ -154,13 +165,19 @@ class LLMEngine:
                 vocabulary, ``top_k`` or ``logprobs`` larger than it). A
                 ``response_format`` compiles beside the steps (the request waits for it);
                 one that does not compile within the budget fails the request alone, its
-                output's ``error`` naming why (``GrammarError``).
+                output's ``error`` naming why (``GrammarError``). ``dimensions`` on a model
+                that does not allow truncation to them.
         """
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            self.pooling.check(pooling)
+            params = SamplingParams()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got "
+                             f"{type(params).__name__}")
         if params.n > self.config.max_num_seqs:
             # Its samples could never run at once: it would wait forever.
             raise ValueError(
@@ -182,6 +199,8 @@ class LLMEngine:
             arrival_order=next(self._arrivals),
             cache_salt=cache_salt,
             pending_grammar=compiled,
+            pooling=pooling,
+            reads_cached_prefix=pooling is None or not self.pooling.needs_every_row,
         )
         self.scheduler.add_request(Request(request_id, token_ids, params, metrics, [seq]))
         if compiled is not None:
@@ -226,12 +245,12 @@ class LLMEngine:
                 wait([s.pending_grammar for s in self._compiling if s.pending_grammar],
                      timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             return outputs
-        sampled, faults = self.isolator.run(batch)
+        result, faults = self.isolator.run(batch)
         if faults:
             batch = batch.without(set(faults))
             outputs += [self._fail(request_id, f"failed in the engine step: {error}")
                         for request_id, error in faults.items()]
-        update = self.scheduler.update(batch, sampled)
+        update = self.scheduler.update(batch, result)
         # Outputs decode text: what raises there fails its request alone too.
         failed = dict(update.failed)
         for request_id in dict.fromkeys(s.request_id for s in update.progressed):
@@ -288,7 +307,7 @@ class LLMEngine:
     def generate(
         self,
         prompts: Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
+        params: Params | Seq[Params] | None = None,
         *,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
@@ -296,19 +315,20 @@ class LLMEngine:
 
         Args:
             prompts: texts, token-id lists or chat message lists.
-            params: one ``SamplingParams`` for all prompts, or one per prompt.
+            params: one ``SamplingParams`` (or ``PoolingParams``: embeddings) for all
+                prompts, or one per prompt (generations and embeddings may mix).
             use_tqdm: show a progress bar.
 
         A prompt that is invalid gets an output with ``finish_reason == "error"`` and its
         ``error``; the other prompts still complete.
         """
-        if params is None or isinstance(params, SamplingParams):
+        if params is None or isinstance(params, SamplingParams | PoolingParams):
             per_prompt = [params or SamplingParams()] * len(prompts)
         else:
             per_prompt = list(params)
             if len(per_prompt) != len(prompts):
                 raise ValueError(
-                    f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts"
+                    f"got {len(per_prompt)} parameters for {len(prompts)} prompts"
                 )
         ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
         results: dict[str, RequestOutput] = {}

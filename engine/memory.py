@@ -98,4 +98,4 @@ def profile_step(model: LlamaForCausalLM, backend: Backend, block_size: int, num
         seqs=tuple(scheduled), num_decodes=sum(1 for s in scheduled if s.num_new_tokens == 1),
         block_copies=(), num_batched_tokens=num_tokens,
     )
-    return len(runner.run(out))
+    return len(runner.run(out).sampled)

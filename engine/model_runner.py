@@ -10,8 +10,9 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.llama import LlamaForCausalLM
-from engine.sampler import Sampled, Sampler, SampleRow, torch_argmax
-from engine.scheduler import SchedulerOutput
+from engine.pooler import PoolingConfig
+from engine.sampler import Sampler, SampleRow, torch_argmax
+from engine.scheduler import ModelOutput, SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
 from kernels import Backend, native
@@ -25,7 +26,8 @@ class ModelRunner:
     ``[num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim]`` on the device,
     whose last block is the padding block of graph-replayed decodes (never handed out);
     ``host_kv_caches``: the same layout with the host pool's blocks (pinned on CUDA), or
-    ``None`` without swap preemption.
+    ``None`` without swap preemption. ``pooling``: how pooling sequences' hidden states
+    become their partials (``engine.pooler``).
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class ModelRunner:
         seed: int,
         structured: StructuredOutput | None = None,
         host_kv_caches: torch.Tensor | None = None,
+        pooling: PoolingConfig | None = None,
     ) -> None:
         self.model = model
+        self.pooling = pooling
         self.backend = backend
         self.kv_caches = kv_caches
         self.host_kv_caches = host_kv_caches
@@ -87,8 +91,10 @@ class ModelRunner:
                                    padding_block, capture)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
-        """Compute the step; return the sampled token(s) per sampling sequence (by seq_id)."""
+    def run(self, out: SchedulerOutput) -> ModelOutput:
+        """Compute the step; return the sampled token(s) per sampling sequence and the pooling
+        partial per pooling sequence (by seq_id). Logits are computed only for the rows that
+        sample."""
         if self.device.type != "cpu":
             return self._run(out)
         # Denormal activations make CPU matmuls much slower; flush them to zero for the step.
@@ -100,7 +106,7 @@ class ModelRunner:
         finally:
             torch.set_flush_denormal(False)
 
-    def _run(self, out: SchedulerOutput) -> dict[int, list[Sampled]]:
+    def _run(self, out: SchedulerOutput) -> ModelOutput:
         if out.swap_out:
             assert self.host_kv_caches is not None
             _copy_blocks(self.kv_caches, self.host_kv_caches, out.swap_out)
@@ -113,9 +119,10 @@ class ModelRunner:
         sampling = [s for s in out.seqs if s.sample]
         rows = [row for s in sampling for row in self._rows(s.seq)]
         masks = self.sampler.start_masks(rows)  # grammar masks fill during the forward
-        hidden = self._forward(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)  # [T, hidden], after the last norm
+        result = ModelOutput(pooled=self._pool(out, hidden))
         if not sampling:
-            return {}
+            return result
         ends = meta.query_start_loc[1:].to(torch.long) - 1
         last = [i for i, s in enumerate(out.seqs) if s.sample]
         # A sequence that forks into n samples gets its last row repeated n times.
@@ -123,11 +130,24 @@ class ModelRunner:
         rows_idx = ends[last].repeat_interleave(repeats.to(self.device))
         logits = self.model.compute_logits(hidden[rows_idx])  # sampled on its device
         sampled = self.sampler(logits, rows, masks)
-        result: dict[int, list[Sampled]] = {}
         it = iter(sampled)
         for s in sampling:
-            result[s.seq.seq_id] = list(itertools.islice(it, 1 + s.seq.pending_forks))
+            result.sampled[s.seq.seq_id] = list(itertools.islice(it, 1 + s.seq.pending_forks))
         return result
+
+    def _pool(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+        # Each pooling sequence's partial, from its chunk's rows (no logits for them).
+        pooled: dict[int, torch.Tensor] = {}
+        lo = 0
+        for s in out.seqs:
+            hi = lo + s.num_new_tokens
+            if s.seq.pooling is not None:
+                assert self.pooling is not None
+                partial = self.pooling.partial(hidden[lo:hi], s.start, s.seq.num_prompt_tokens)
+                if partial is not None:
+                    pooled[s.seq.seq_id] = partial
+            lo = hi
+        return pooled
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:

@@ -46,7 +46,9 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; ``finished`` once every sample has finished."""
+    """A request's state after a step; ``finished`` once every sample has finished. An
+    embedding request's one output has no tokens (``stop``) and ``embedding`` holds its
+    L2-normalized vector."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +56,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    embedding: list[float] | None = None
 
     @property
     def text(self) -> str:

@@ -153,6 +153,7 @@ class Processor:
             outputs=completions,
             finished=finished,
             metrics=m,
+            embedding=seqs[0].embedding,
         )
 
     @staticmethod

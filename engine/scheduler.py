@@ -7,9 +7,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.outputs import FinishReason, SchedulerCounters
+from engine.pooler import embedding
 from engine.sampler import Sampled
 from engine.sequence import Request, Sequence, SequenceStatus
 
@@ -21,7 +24,9 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     num_new_tokens: int
-    sample: bool  # the chunk reaches the sequence's last token: sample the next one
+    # The chunk reaches the last token of a generating sequence: sample the next one. A
+    # pooling sequence never samples; its chunk's hidden states are pooled instead.
+    sample: bool
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,19 @@ class SchedulerOutput:
 StopCheck = Callable[[Sequence], FinishReason | None]
 
 
+@dataclass
+class ModelOutput:
+    """What the runner computed in one step, by seq_id: the sampled token(s) of the sampling
+    sequences, and each pooling sequence's partial of its chunk (``engine.pooler``; absent
+    when the chunk holds nothing its method pools)."""
+
+    sampled: dict[int, list[Sampled]] = field(default_factory=dict)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def __or__(self, other: ModelOutput) -> ModelOutput:
+        return ModelOutput(self.sampled | other.sampled, self.pooled | other.pooled)
+
+
 @dataclass(frozen=True)
 class StepUpdate:
     """What :meth:`Scheduler.update` did with one step's tokens."""
@@ -84,6 +102,12 @@ class Scheduler:
     before any waiting one of lower priority is admitted. Otherwise its blocks are freed and
     it goes back to the front of the waiting queue to be recomputed (mostly from the prefix
     cache).
+
+    A pooling (embedding) sequence is scheduled as any prefill, chunks and preemption
+    included, but never samples: it finishes in :meth:`update` at the step that computes its
+    last prompt token, its blocks freed there (full ones stay in the prefix cache). One that
+    does not read cached prefixes (``reads_cached_prefix``) is computed from position 0, and
+    a recompute starts its pooled sum again.
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
@@ -182,9 +206,10 @@ class Scheduler:
                 break
             if seq.pending_grammar is not None:
                 continue  # its grammar is compiling: the others go ahead
-            cached = self.kv.find_cached_prefix(seq)
+            cached = self.kv.find_cached_prefix(seq) if seq.reads_cached_prefix else []
             start = len(cached) * self.kv.block_size
-            if len(cached) < len(seq.block_hashes) and seq.block_hashes[len(cached)] in in_flight:
+            if (seq.reads_cached_prefix and len(cached) < len(seq.block_hashes)
+                    and seq.block_hashes[len(cached)] in in_flight):
                 continue  # a running sequence computes this block right now: reuse it next step
             remaining = seq.num_tokens - start
             if remaining > budget and not chunked:
@@ -234,7 +259,8 @@ class Scheduler:
         blocks = len(seq.block_table)
         if blocks > seq.metrics.peak_kv_blocks:
             seq.metrics.peak_kv_blocks = blocks
-        return ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens)
+        return ScheduledSeq(seq, start, n,
+                            sample=start + n == seq.num_tokens and seq.pooling is None)
 
     def _pick_victim(self, current: int) -> Sequence:
         # Lowest priority, latest arrival among those not scheduled yet this step; the
@@ -254,14 +280,17 @@ class Scheduler:
             return
         self.kv.free(seq)
         seq.num_computed_tokens = 0
+        seq.pooled = None
         self.add(seq)
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, list[Sampled]]) -> StepUpdate:
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> StepUpdate:
         """Each token's fate, in one pass after the forward: append it, check the stop
         condition (``stop_check``), and finish and free the sequences that stop.
-        ``sampled`` maps seq_id -> new token(s): a sequence with pending forks receives ``n``
-        tokens and forks into ``n`` samples. A stop check that raises (a grammar refused the
-        token) fails its request alone: its sequences are left for the caller to end.
+        ``result.sampled`` maps seq_id -> new token(s): a sequence with pending forks receives
+        ``n`` tokens and forks into ``n`` samples. A pooling sequence adds its chunk's partial
+        to its pooled sum; at its last prompt token it gets its embedding and finishes
+        (``stop``), progressed like a sampled one. A stop check that raises (a grammar refused
+        the token) fails its request alone: its sequences are left for the caller to end.
         """
         now = time.monotonic()
         update = StepUpdate([])
@@ -269,9 +298,14 @@ class Scheduler:
         for s in out.seqs:
             seq = s.seq
             seq.num_computed_tokens = s.start + s.num_new_tokens
+            if seq.pooling is not None:
+                if self._pool(seq, result.pooled.get(seq.seq_id), now):
+                    update.progressed.append(seq)
+                    stopped.setdefault(FinishReason.STOP, []).append(seq)
+                continue
             if not s.sample:
                 continue
-            samples = sampled[seq.seq_id]
+            samples = result.sampled[seq.seq_id]
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
             family = [seq]
@@ -293,6 +327,19 @@ class Scheduler:
         for reason, seqs in stopped.items():
             self.finish([s for s in seqs if s.request_id not in update.failed], reason)
         return update
+
+    @staticmethod
+    def _pool(seq: Sequence, partial: torch.Tensor | None, now: float) -> bool:
+        """Add a chunk's partial to ``seq``'s pooled sum; whether its prompt is done (its
+        embedding set)."""
+        if partial is not None:
+            seq.pooled = partial if seq.pooled is None else seq.pooled + partial
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            return False
+        assert seq.pooled is not None and seq.pooling is not None
+        seq.embedding = embedding(seq.pooled, seq.pooling.dimensions)
+        seq.metrics.first_token_time = now  # its one output
+        return True
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         parent.pending_forks = 0

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import FinishReason, RequestMetrics
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -61,6 +62,11 @@ class Sequence:
     # Its grammar still compiling: the scheduler admits it once this is done (and cleared).
     pending_grammar: Future[xgr.CompiledGrammar] | None = None
     grammar_error: str | None = None  # a sampled token the grammar refused
+    # A prompt-only (embedding) request: prefilled, pooled, finished; ``params`` unused.
+    pooling: PoolingParams | None = None
+    reads_cached_prefix: bool = True  # False: every prompt row is computed (mean/CLS pooling)
+    pooled: torch.Tensor | None = None  # the sum of its chunks' pooling partials so far
+    embedding: list[float] | None = None  # set when its prompt is done
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

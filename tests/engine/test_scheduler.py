@@ -16,7 +16,7 @@ from engine.kv_cache import KVCacheManager
 from engine.outputs import FinishReason, RequestMetrics
 from engine.sampler import Sampled
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ModelOutput, Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence, SequenceStatus
 
 BS = 16
@@ -66,7 +66,7 @@ def step(sched: Scheduler) -> tuple[SchedulerOutput, list[Sequence]]:
         for s in out.seqs
         if s.sample
     }
-    update = sched.update(out, sampled)
+    update = sched.update(out, ModelOutput(sampled))
     done = [s for s in update.progressed if s.is_finished]
     assert all(s.finish_reason is FinishReason.LENGTH for s in done)
     return out, done
@@ -334,7 +334,7 @@ def test_update_decides_each_tokens_fate_in_one_pass() -> None:
     out = sched.schedule()
     sampled = {s.seq.seq_id: [Sampled(NEXT_TOKEN, None)] * (1 + s.seq.pending_forks)
                for s in out.seqs}
-    update = sched.update(out, sampled)
+    update = sched.update(out, ModelOutput(sampled))
     assert [s.request_id for s in update.progressed] == ["r0", "r1", "r2", "r2"]
     assert a.is_finished and a.finish_reason is FinishReason.LENGTH and not a.block_table
     assert a not in sched.running
