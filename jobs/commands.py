@@ -99,7 +99,7 @@ def connection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-prefix", help="default $KVBATCH_KEY_PREFIX, else kvbatch")
 
 
-def _client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
+def command_client(args: argparse.Namespace, model: str = DEFAULT_MODEL) -> Client:
     """A client on the command's services, once the database is known to be at this code's
     schema (``jobs.db.SchemaNotReady`` names the fix otherwise; nothing is created)."""
     conn = connection_settings(args.redis_url, args.database_url, args.key_prefix)
@@ -158,7 +158,7 @@ def _submit(args: argparse.Namespace) -> int:
         webhook_url=args.webhook_url, progress=args.progress, strict=args.strict,
         wait=args.wait,
     )
-    with _client(args, args.model) as client, _bulk_load_process():
+    with command_client(args, args.model) as client, _bulk_load_process():
         print(f"batch {opts.batch_id}: {total} rows on {opts.model}", file=sys.stderr)
         if not client.serves(opts.model):
             print(f"warning: no live worker serves {opts.model!r}; rows wait in the queue "
@@ -208,7 +208,7 @@ def _bulk_load_process() -> Iterator[None]:
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with command_client(args) as client:
         counts = BatchHandle(client.jobs, args.id).counts()
         if counts.total:
             rows = [(s.value, n) for s in sorted(JobStatus) if (n := getattr(counts, s.value))]
@@ -238,7 +238,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with command_client(args) as client:
         batch = BatchHandle(client.jobs, args.id)
         if batch.counts().total:
             n = batch.cancel()
@@ -254,7 +254,7 @@ def _cancel(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with command_client(args) as client:
         print(format_stats(client.stats(batch_id=args.batch, since=args.since)))
     return 0
 

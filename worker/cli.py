@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from jobs.api.commands import add_api_commands
-from jobs.commands import add_commands, database_url_argument
+from jobs.commands import add_commands, command_client, connection_arguments, database_url_argument
+from jobs.constants import DEFAULT_MODEL
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
 from jobs.tables import printable
@@ -70,6 +71,24 @@ def _db(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    from jobs.pipeline import Pipeline
+
+    if not Path(args.file).is_file():
+        raise ValueError(f"no pipeline file {args.file}")
+    pipeline = runpy.run_path(args.file, run_name="kvbatch_pipeline").get("pipeline")
+    if not isinstance(pipeline, Pipeline):
+        raise ValueError(f"{args.file} defines no module-level `pipeline` (a jobs.Pipeline)")
+    with command_client(args, args.model) as client:
+        result = pipeline.run(client, output=args.output, errors=args.errors,
+                              progress=args.progress)
+    print(result.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbatch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,6 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="embed the beat scheduler (run exactly one with it)")
     add_control_arguments(control)
     control.set_defaults(func=_control)
+
+    pipeline = sub.add_parser("pipeline", help="run a dataset pipeline (docs/pipelines.md): "
+                                               "only what an earlier run did not")
+    pipeline.add_argument("action", choices=["run"])
+    pipeline.add_argument("file", help="a Python file defining a module-level `pipeline`")
+    pipeline.add_argument("-o", "--output", required=True, help="JSONL of the final rows")
+    pipeline.add_argument("-e", "--errors", help="JSONL of the rows that failed")
+    pipeline.add_argument("--model", default=DEFAULT_MODEL,
+                          help="served model of the stages that name none")
+    pipeline.add_argument("--no-progress", dest="progress", action="store_false",
+                          default=None)
+    connection_arguments(pipeline)
+    pipeline.set_defaults(func=_pipeline)
 
     db = sub.add_parser("db", help="migrate the SQL schema (upgrade, downgrade, current)")
     db.add_argument("action", choices=["upgrade", "downgrade", "current"])

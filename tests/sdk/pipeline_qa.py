@@ -1,9 +1,8 @@
 """The question → answer → judge pipeline the pipeline tests run (in the test process and in
-a driver subprocess: the stages' functions must have one source for both)."""
+``kvbatch pipeline run``: the stages' functions must have one source for both)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Literal
 
@@ -47,9 +46,3 @@ def build(name: str, n: int, judge: Callable[[RowDict], str] = judge_prompt) -> 
             and not r["question"].endswith("#1"))
     return p
 
-
-if __name__ == "__main__":  # the driver the kill test runs: NAME N OUTPUT
-    from jobs import Client
-
-    with Client(model="tiny") as client:
-        build(sys.argv[1], int(sys.argv[2])).run(client, output=sys.argv[3], progress=False)

@@ -19,6 +19,7 @@ from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
 from jobs import Pipeline
 from jobs.constants import DEFAULT_MODEL
 from jobs.sdk import Client
+from worker.cli import main
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "pipelines.md"
 N = 8  # source rows, of widths 1, 2, 0, 1, 2, 0, 1, 2
@@ -118,13 +119,17 @@ def test_a_rerun_submits_nothing_and_a_changed_stage_reruns_alone(  # type: igno
     assert len(set(map(tuple, parents.values()))) == 1
 
 
-def test_a_killed_driver_resumes_to_the_same_rows(client: Client, start_worker,  # type: ignore[no-untyped-def]
-                                                   tmp_path: Path,
-                                                   cli_env: dict[str, str]) -> None:
+def test_a_killed_driver_resumes_to_the_same_rows(  # type: ignore[no-untyped-def]
+        client: Client, start_worker, tmp_path: Path, cli_env: dict[str, str],
+        cli_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     start_worker(max_num_seqs=1)
     build("fresh", N).run(client, output=tmp_path / "fresh.jsonl", timeout_s=120)
-    driver = subprocess.Popen([sys.executable, str(Path(__file__).parent / "pipeline_qa.py"),
-                               "killed", str(N), str(tmp_path / "killed.jsonl")], env=cli_env)
+    script = tmp_path / "qa.py"  # what `kvbatch pipeline run` takes: a module-level pipeline
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"from pipeline_qa import build\npipeline = build('killed', {N})\n")
+    run = ["pipeline", "run", str(script), "-o", str(tmp_path / "killed.jsonl"),
+           "--model", "tiny", "--no-progress"]
+    driver = subprocess.Popen([sys.executable, "-m", "worker.cli", *run], env=cli_env)
     deadline = time.monotonic() + 60
     while not _jobs(client, "killed").get("answers"):
         assert driver.poll() is None and time.monotonic() < deadline
@@ -133,10 +138,14 @@ def test_a_killed_driver_resumes_to_the_same_rows(client: Client, start_worker, 
     driver.wait()
     mid = _count(client, "killed")
     assert mid.get("judge", 0) < _count(client, "fresh")["judge"]  # killed before the end
-    build("killed", N).run(client, output=tmp_path / "killed.jsonl", timeout_s=120)
+    assert main([*run, *cli_args]) == 0
     assert _lines(tmp_path / "killed.jsonl") == _lines(tmp_path / "fresh.jsonl") != []
     questions = _jobs(client, "killed")["questions"]
     assert len(questions) == N and {r.attempts for r in questions} == {1}
+    table = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in table[1:]] == [["questions", str(N)], [
+        "answers", str(len(_jobs(client, "killed")["answers"]))], ["judge", str(
+            len(_jobs(client, "killed")["judge"]))]]
 
 
 def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[no-untyped-def]
@@ -194,3 +203,16 @@ def test_the_docs_example_runs(services: dict[str, str], start_worker,  # type: 
     lines = [json.loads(x) for x in (tmp_path / "qa.jsonl").read_text().splitlines()]
     assert len(lines) == len(result.rows) == result.summary["judge"].rows_out
     assert all(scope["Score"].model_validate(x["judge"]).score >= 4 for x in lines)
+
+
+def test_the_command_says_in_one_line_what_is_wrong_with_the_file(  # type: ignore[no-untyped-def]
+        tmp_path: Path, cli_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "nothing.py"
+    script.write_text("pipelines = []\n")
+    missing = tmp_path / "missing.py"
+    for path, line in ((missing, f"no pipeline file {missing}"),
+                       (script, f"{script} defines no module-level `pipeline` (a jobs.Pipeline)")):
+        assert main(["pipeline", "run", str(path), "-o", str(tmp_path / "o.jsonl"),
+                     *cli_args]) == 1
+        assert capsys.readouterr().err.splitlines() == [f"kvbatch pipeline: {line}"]
+    assert not (tmp_path / "o.jsonl").exists()
