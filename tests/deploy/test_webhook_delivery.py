@@ -152,6 +152,35 @@ def test_an_event_without_type_or_batch_is_sent_with_those_headers_empty(
     assert (headers["X-Kvbatch-Event"], headers["Idempotency-Key"]) == ("", "")
 
 
+@pytest.mark.parametrize(("status", "error"), [
+    (200, None), (204, None), (299, None),
+    (300, "HTTP 300 (redirects are not followed)"), (399, "HTTP 399 (redirects are not followed)"),
+    (400, "HTTP 400"), (401, "HTTP 401"), (500, "HTTP 500"),
+])
+def test_only_a_2xx_answer_delivers(
+        status: int, error: str | None, dns: None, receivers: list[Receiver]) -> None:
+    def answer(handler: http.server.BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+
+    receivers.append(hook := Receiver(answer=answer))
+    assert post_event(f"http://{HOST}:{hook.port}/in", EVENT, "s", 5.0, allow=ALLOW) == error
+
+
+@pytest.mark.parametrize(("raised", "error"), [
+    (ConnectionResetError(), "ConnectionResetError"),  # no message: the type alone
+    (OSError("no route"), "OSError: no route"),
+])
+def test_a_failed_attempt_is_named_by_its_exception(
+        raised: Exception, error: str, dns: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: Any) -> int:
+        raise raised
+
+    monkeypatch.setattr(webhook, "_post", fail)
+    assert post_event(f"http://{HOST}/in", EVENT, "s", 1.0, allow=ALLOW) == error
+
+
 def test_an_unsigned_event_is_refused_naming_both_settings() -> None:
     assert post_event("http://hooks.example.test/in", EVENT, None, 1.0) == (
         "refused: webhooks are signed; set KVBATCH_WEBHOOK_SECRET (or "
