@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from pydantic_core import to_jsonable_python
+
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jobs.pipeline_run import PipelineResult
@@ -59,13 +61,15 @@ def _digest(*parts: str) -> str:
 
 def _source(fn: Callable[..., Any] | None) -> str:
     """What a function's fingerprint holds: its source, or (defined where no file has it, as
-    in ``exec``) its bytecode and constants."""
+    in ``exec``) its bytecode and constants, or (a builtin such as ``str``) its name."""
     if fn is None:
         return ""
     try:
         return inspect.getsource(fn)
     except (OSError, TypeError):
-        code = fn.__code__
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
         return code.co_code.hex() + repr(code.co_consts)
 
 
@@ -179,6 +183,8 @@ class Pipeline:
         Raises:
             ValueError: a bad or repeated name, a source stage of another pipeline, or
                 ``retries`` below 0.
+            pydantic.ValidationError: a sampling field that does not exist or is out of range
+                (the message names it), or a format that is not a valid JSON Schema.
         """
         if not re.fullmatch(NAME_PATTERN, name) or any(s.name == name for s in self.stages):
             raise ValueError(f"stage name {name!r} must match {NAME_PATTERN} and be new "
@@ -198,6 +204,7 @@ class Pipeline:
                       explode=explode, keep=keep, parse=parse, model=model, retries=retries,
                       sampling=dict(sampling), fingerprint=fingerprint,
                       batch_id=f"{self.name}.{name}.{fingerprint[:16]}")
+        TypeAdapter(SamplingParams).validate_python(stage.job_sampling(0))  # fail here, once
         self.stages.append(stage)
         if parent is None:
             self.rows[name] = source  # type: ignore[assignment]  # not a Stage: rows

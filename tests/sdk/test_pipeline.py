@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
+from pydantic import ValidationError
 
 from jobs import Pipeline
 from jobs.constants import DEFAULT_MODEL
@@ -174,15 +175,21 @@ def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[
     assert tries == [(0, 11), (1, 12), (2, 13)] and len(jobs) == 6  # another seed each try
 
 
-def test_n_samples_make_a_list(client: Client, start_worker) -> None:  # type: ignore[no-untyped-def]
+def test_n_samples_make_a_list_and_a_json_schema_a_dict(  # type: ignore[no-untyped-def]
+        client: Client, start_worker) -> None:
     start_worker()
     p = Pipeline("many")
-    p.stage("gen", source=[{"i": 0}], prompt=lambda r: "hello", n=3, max_tokens=5,
-            temperature=0.0)
+    gen = p.stage("gen", source=[{"i": 0}], prompt=lambda r: "hello", n=3, max_tokens=5,
+                  temperature=0.0)
+    p.stage("check", source=gen, prompt=lambda r: f"is it ok? {r['gen'][0]}", max_tokens=20,
+            temperature=0.0, response_format={
+                "type": "object", "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"], "additionalProperties": False})
     result = p.run(client, timeout_s=60)
     assert not result.failed
     (row,) = result.rows
     assert isinstance(row["gen"], list) and len(row["gen"]) == 3 and len(set(row["gen"])) == 1
+    assert set(row["check"]) == {"ok"} and isinstance(row["check"]["ok"], bool)
 
 
 def test_the_docs_example_runs(services: dict[str, str], start_worker,  # type: ignore[no-untyped-def]
@@ -216,3 +223,19 @@ def test_the_command_says_in_one_line_what_is_wrong_with_the_file(  # type: igno
                      *cli_args]) == 1
         assert capsys.readouterr().err.splitlines() == [f"kvbatch pipeline: {line}"]
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
+    p = Pipeline("checks")
+    first = p.stage("first", source=[], prompt=str)
+    with pytest.raises(ValidationError, match="temperature"):
+        p.stage("hot", source=first, prompt=str, temperature=-1.0)
+    with pytest.raises(ValidationError, match="temprature"):
+        p.stage("typo", source=first, prompt=str, temprature=0.5)
+    with pytest.raises(ValueError, match="be new"):
+        p.stage("first", source=first, prompt=str)
+    with pytest.raises(ValueError, match="not a stage of pipeline 'other'"):
+        Pipeline("other").stage("second", source=first, prompt=str)
+    with pytest.raises(ValueError, match="must match"):
+        Pipeline("no spaces")
+    assert [s.name for s in p.stages] == ["first"]  # nothing refused was added
