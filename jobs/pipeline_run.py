@@ -16,7 +16,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,7 +74,8 @@ class _Task:
 
     stage: Stage
     row: RowDict
-    lineage: dict[str, str]  # stage name -> key of this row's ancestors (and, once run, its)
+    lineage: dict[str, str]  # stage name -> key of this row's ancestors
+    parent: str  # the key of the row it came from ("" for a first stage's row)
     key: str
     attempt: int
 
@@ -99,6 +100,8 @@ class PipelineRun:
 
     def run(self, output: str | Path | None, errors: str | Path | None,
             timeout_s: float | None) -> PipelineResult:
+        """Submit the first stages' rows, then follow every job to its end, feeding each
+        done row to the stages it feeds (the arguments are ``Pipeline.run``'s)."""
         with contextlib.ExitStack() as stack:
             self.output = stack.enter_context(open(output, "w")) if output else None
             self.errors = stack.enter_context(open(errors, "w")) if errors else None
@@ -121,8 +124,8 @@ class PipelineRun:
         for row in rows:
             content = canonical(row)
             seen[content] += 1
-            tasks.append(_Task(stage, row, lineage, stage.row_key(parent_key, row,
-                                                                  seen[content] - 1), 0))
+            key = stage.row_key(parent_key, row, seen[content] - 1)
+            tasks.append(_Task(stage, row, lineage, parent_key, key, 0))
         self.result.summary[stage.name].rows_in += len(tasks)
         self.bars[stage.name].total += len(tasks)
         self.bars[stage.name].refresh()
@@ -142,8 +145,7 @@ class PipelineRun:
             rows.append({"custom_id": custom_id,
                          ("prompt" if isinstance(prompt, str) else "messages"): prompt,
                          "metadata": {"pipeline": self.pipeline.name, "stage": stage.name,
-                                      "key": task.key, "parent": task.lineage.get(
-                                          stage.source.name, "") if stage.source else "",
+                                      "key": task.key, "parent": task.parent,
                                       "attempt": attempt}})
         if not rows:
             return
@@ -173,8 +175,8 @@ class PipelineRun:
         except Exception as exc:  # did not parse: another seed, while tries are left
             if task.attempt < stage.retries:
                 summary.retried += 1
-                self._submit(stage, task.attempt + 1, [_Task(stage, task.row, task.lineage,
-                                                             task.key, task.attempt + 1)])
+                self._submit(stage, task.attempt + 1,
+                             [replace(task, attempt=task.attempt + 1)])
             else:
                 self._fail(task, f"parse: {exc}")
             return
