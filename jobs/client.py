@@ -341,13 +341,15 @@ class JobClient:
             poll_interval_s: how often SQL is read when no completion notice arrives.
             batch_id: pass it when ``job_ids`` are the whole batch (cheaper polls).
         """
-        yield from self.follow_open(self.follower(job_ids, timeout_s, poll_interval_s, batch_id))
+        follower = self.follower(job_ids, timeout_s, poll_interval_s, batch_id)
+        yield from self._drive(follower, follower.take)
 
-    def follow_open(self, follower: Follower) -> Iterator[JobInfo]:
+    def follow_open(self, follower: Follower) -> Iterator[list[JobInfo]]:
         """:meth:`follow` the jobs of ``follower`` (made by :meth:`follower`, with no
-        ``batch_id``), to which :meth:`follow_more` may add jobs while this is iterated: it
-        ends once none is left to report."""
-        return self._drive(follower, follower.take)
+        ``batch_id``), the jobs found terminal by one read together, in completion order;
+        :meth:`follow_more` may add jobs while this is iterated: it ends once none is left
+        to report."""
+        return self._drive(follower, lambda: [infos] if (infos := follower.take()) else [])
 
     def follow_more(self, follower: Follower, job_ids: Collection[str]) -> None:
         """Follow ``job_ids`` too within the :meth:`follow_open` of ``follower``; call it

@@ -3,8 +3,9 @@ the next stages, write the rows out.
 
 Every job of the run is followed by one :class:`jobs.follow.Follower` that grows as rows move
 on: when a job finishes, its row is parsed (or retried with another seed), filtered, exploded
-into the stages it feeds and submitted there at once, so a stage starts on its first rows
-while the stage before is still running. Submissions go through ``Client.submit_batch`` with
+into the stages it feeds and submitted there at once (one submission per stage for the jobs
+one read found done), so a stage starts on its first rows while the stage before is still
+running. Submissions go through ``Client.submit_batch`` with
 the row's key as ``custom_id``: a row the stage's batch already holds (from a run that was
 interrupted, or finished) is not submitted again, and its stored result is used.
 """
@@ -87,6 +88,7 @@ class PipelineRun:
         self.pipeline, self.client = pipeline, client
         self.fed = {s: [c for c in pipeline.stages if c.source is s] for s in pipeline.stages}
         self.pending: dict[str, _Task] = {}  # job id -> its task
+        self.outbox: dict[tuple[Stage, int], list[_Task]] = {}  # (stage, try) -> to submit
         self.follower: Follower | None = None  # made once the first rows are submitted
         self.result = PipelineResult(summary={s.name: StageSummary() for s in pipeline.stages})
         enabled = sys.stderr.isatty() if progress is None else progress
@@ -111,9 +113,12 @@ class PipelineRun:
             for stage in self.pipeline.stages:
                 if stage.source is None:
                     self._enter(stage, self.pipeline.rows[stage.name], {}, "")
+            self._flush()
             self.follower = jobs.follower(list(self.pending), timeout_s)
-            for info in jobs.follow_open(self.follower):
-                self._done(self.pending.pop(info.id), info)
+            for infos in jobs.follow_open(self.follower):
+                for info in infos:
+                    self._done(self.pending.pop(info.id), info)
+                self._flush()  # what they feed: a submission per stage and try
         return self.result
 
     def _enter(self, stage: Stage, rows: Iterable[RowDict], lineage: dict[str, str],
@@ -129,7 +134,12 @@ class PipelineRun:
         self.result.summary[stage.name].rows_in += len(tasks)
         self.bars[stage.name].total += len(tasks)
         self.bars[stage.name].refresh()
-        self._submit(stage, 0, tasks)
+        self.outbox.setdefault((stage, 0), []).extend(tasks)
+
+    def _flush(self) -> None:
+        outbox, self.outbox = self.outbox, {}
+        for (stage, attempt), tasks in outbox.items():
+            self._submit(stage, attempt, tasks)
 
     def _submit(self, stage: Stage, attempt: int, tasks: list[_Task]) -> None:
         by_id: dict[str, _Task] = {}
@@ -175,8 +185,8 @@ class PipelineRun:
         except Exception as exc:  # did not parse: another seed, while tries are left
             if task.attempt < stage.retries:
                 summary.retried += 1
-                self._submit(stage, task.attempt + 1,
-                             [replace(task, attempt=task.attempt + 1)])
+                self.outbox.setdefault((stage, task.attempt + 1), []).append(
+                    replace(task, attempt=task.attempt + 1))
             else:
                 self._fail(task, f"parse: {exc}")
             return
