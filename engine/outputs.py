@@ -35,20 +35,20 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. ``text`` is filled in when the sample finishes."""
+    """One sample of a request. ``text`` is filled in when the sample finishes. An embedding
+    request's one output has no tokens and holds its L2-normalized ``embedding``."""
 
     index: int
     token_ids: list[int]
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
+    embedding: list[float] | None = None
 
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; ``finished`` once every sample has finished. An
-    embedding request's one output has no tokens (``stop``) and ``embedding`` holds its
-    L2-normalized vector."""
+    """A request's state after a step; ``finished`` once every sample has finished."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -56,7 +56,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
-    embedding: list[float] | None = None
 
     @property
     def text(self) -> str:
@@ -65,6 +64,10 @@ class RequestOutput:
     @property
     def token_ids(self) -> list[int]:
         return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def embedding(self) -> list[float] | None:
+        return self.outputs[0].embedding if self.outputs else None
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -140,6 +140,7 @@ class Processor:
                     text=text,
                     finish_reason=seq.finish_reason,
                     logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                    embedding=seq.embedding,
                 )
             )
         m = metrics
@@ -153,7 +154,6 @@ class Processor:
             outputs=completions,
             finished=finished,
             metrics=m,
-            embedding=seqs[0].embedding,
         )
 
     @staticmethod

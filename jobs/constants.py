@@ -20,6 +20,7 @@ DEFAULT_MAX_DELIVERIES = 3
 CONSUMER_GROUP = "workers"
 # Largest JSON payload of one job on the wire (prompt, messages, parameters, metadata).
 MAX_PAYLOAD_BYTES = 1 << 20
+EMBED_TEXTS_PER_JOB = 64  # Client.embed's texts in one job
 # Stream entry fields: the job id on its own (readable without parsing) and the job as JSON.
 FIELD_ID = "id"
 FIELD_JOB = "job"

@@ -24,8 +24,8 @@ class JobLimits(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVBATCH_", frozen=True, extra="forbid")
 
     max_prompt_bytes: int = Field(
-        512 * 1024, ge=1, description="prompt or messages, UTF-8 bytes; checked before the "
-                                      "prompt is tokenized")
+        512 * 1024, ge=1, description="prompt or messages (an embedding job's texts), UTF-8 "
+                                      "bytes; checked before the prompt is tokenized")
     max_job_tokens: int = Field(
         65536, ge=1, description="n x max_tokens: the most tokens one job may generate")
     max_stop_strings: int = Field(16, ge=0, description="stop strings per job")
@@ -39,7 +39,9 @@ class JobLimits(BaseSettings):
         """Raise ``ValueError`` naming the field and the limit when ``spec`` is over one."""
         s = spec.sampling
         text = spec.prompt if spec.prompt is not None else spec.raw_prompt
-        prompt = text if text is not None else "".join(m.content for m in spec.messages or [])
+        parts = (spec.embed.input if spec.embed is not None
+                 else [m.content for m in spec.messages or []])
+        prompt = text if text is not None else "".join(parts)
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size > self.max_prompt_bytes:
             raise ValueError(f"prompt is {size} bytes, over the limit of {self.max_prompt_bytes} "

@@ -121,6 +121,7 @@ class Job(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     logprobs: Mapped[Any] = mapped_column(JSON)
     choices: Mapped[Any] = mapped_column(JSON)
+    embeddings: Mapped[Any] = mapped_column(JSON)  # an embedding job's vectors
 
 
 def _stats_columns() -> list[Column[Any]]:

@@ -5,10 +5,12 @@
   (``custom_id`` defaults to the row's index). A ``prompt`` is the user's request (one user
   message on a chat model), a ``raw_prompt`` goes to the model as it is.
 * OpenAI Batch API: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" |
-  "/v1/completions", "body": {…}}``. The body's ``model`` is not used: a batch runs on one
-  served model, chosen by the caller. A completions ``prompt`` is raw text, as OpenAI's is.
-  Besides OpenAI's sampling fields, a body may set any ``SamplingParams`` field by name (as
-  vLLM's server accepts ``top_k``, ``min_p``, …).
+  "/v1/completions" | "/v1/embeddings", "body": {…}}``. The body's ``model`` is not used: a
+  batch runs on one served model, chosen by the caller. A completions ``prompt`` is raw text,
+  as OpenAI's is. Besides OpenAI's sampling fields, a body may set any ``SamplingParams`` field
+  by name (as vLLM's server accepts ``top_k``, ``min_p``, …). An embeddings body is OpenAI's
+  ``{"model", "input", "encoding_format", "dimensions"}``, ``input`` a string or a list of
+  strings: one job (``JobSpec.embed``) whose output holds a vector per string.
 
 Output lines are keyed by ``custom_id`` and take the shape of the input: the OpenAI batch
 output shape for OpenAI rows (``{"id", "custom_id", "response": {"status_code",
@@ -31,6 +33,7 @@ from jobs.schemas import Choice, JobInfo, JobStatus, TokenLogprob
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
 SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 PLAIN_FIELDS = frozenset({"custom_id", "prompt", "raw_prompt", "messages", "priority",
                           "metadata"}) | SAMPLING_FIELDS
@@ -38,6 +41,7 @@ PLAIN_FIELDS = frozenset({"custom_id", "prompt", "raw_prompt", "messages", "prio
 OPENAI_MAPPED = frozenset({"max_completion_tokens", "logprobs", "top_logprobs"})
 # Accepted and not used: they change nothing in what is generated.
 OPENAI_IGNORED = frozenset({"model", "user", "store", "stream"})
+EMBEDDINGS_FIELDS = frozenset({"model", "user", "input", "encoding_format", "dimensions"})
 ROW_ERROR = "invalid_request_error"
 # How the engine words a step that failed under a request (engine.LLMEngine._fail).
 ENGINE_FAULT = "failed in the engine step"
@@ -47,6 +51,7 @@ class RowKind(StrEnum):
     PLAIN = "plain"
     CHAT = CHAT_URL
     COMPLETION = COMPLETIONS_URL
+    EMBEDDINGS = EMBEDDINGS_URL
 
 
 @dataclass(slots=True)  # not frozen: its __init__ took 3x as long, and a submit makes two a row
@@ -60,6 +65,7 @@ class Row:
     messages: list[dict[str, Any]] | None = None
     raw_prompt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    embed: dict[str, Any] | None = None  # an embedding row's ``EmbeddingInput`` fields
     priority: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     error: str | None = None  # why the row cannot run (it is reported, not submitted)
@@ -115,12 +121,14 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
         kind = RowKind(str(obj.get("url")))
     except ValueError:
         raise ValueError(f"url {quote(obj.get('url'))} is not supported "
-                         f"({CHAT_URL} or {COMPLETIONS_URL})") from None
+                         f"({CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL})") from None
     if kind is RowKind.PLAIN:
         raise ValueError("an OpenAI batch row needs a 'url'")
     body = obj.get("body")
     if not isinstance(body, Mapping):
         raise ValueError("'body' must be an object")
+    if kind is RowKind.EMBEDDINGS:
+        return Row(custom_id=str(obj["custom_id"]), kind=kind, embed=_embed_fields(body))
     prompt_key = "messages" if kind is RowKind.CHAT else "prompt"
     known = SAMPLING_FIELDS | OPENAI_MAPPED | OPENAI_IGNORED | {prompt_key, "metadata"}
     unsupported = sorted(set(body) - known)
@@ -148,6 +156,24 @@ def _openai_row(obj: Mapping[str, Any]) -> Row:
                sampling=sampling, metadata=metadata)
 
 
+def _embed_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``EmbeddingInput``'s fields from OpenAI's embeddings request body."""
+    unsupported = sorted(set(body) - EMBEDDINGS_FIELDS)
+    if unsupported:
+        raise ValueError(f"body field(s) {quote_all(unsupported)} not supported")
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("'input' must be a string or a list of strings")
+    fields: dict[str, Any] = {"input": texts}
+    if body.get("dimensions") is not None:
+        fields["pooling"] = {"dimensions": body["dimensions"]}
+    if body.get("encoding_format") is not None:
+        fields["encoding_format"] = body["encoding_format"]
+    return fields
+
+
 def rejected_row(obj: Any, index: int, error: str) -> Row:
     """The row of a line that cannot run, kept to be reported under its ``custom_id``.
 
@@ -162,7 +188,8 @@ def rejected_row(obj: Any, index: int, error: str) -> Row:
         raise ValueError(error)
     kind = RowKind.PLAIN
     if is_openai:
-        kind = RowKind.COMPLETION if obj.get("url") == COMPLETIONS_URL else RowKind.CHAT
+        url = obj.get("url")
+        kind = RowKind(url) if url in (COMPLETIONS_URL, EMBEDDINGS_URL) else RowKind.CHAT
     custom_id = obj.get("custom_id", index)
     if not isinstance(custom_id, str | int) or isinstance(custom_id, bool):
         raise ValueError(error)
@@ -185,9 +212,9 @@ def output_line(kind: RowKind, info: JobInfo) -> dict[str, Any]:
     if kind is RowKind.PLAIN:
         return _plain_output(info)
     if info.status is JobStatus.SUCCEEDED:
+        body = _embeddings_body(info) if kind is RowKind.EMBEDDINGS else _openai_body(kind, info)
         return {"id": f"batch_req_{info.id}", "custom_id": info.custom_id,
-                "response": {"status_code": 200, "request_id": info.id,
-                             "body": _openai_body(kind, info)},
+                "response": {"status_code": 200, "request_id": info.id, "body": body},
                 "error": None}
     if info.status is JobStatus.FAILED:  # the request could not run
         return _openai_request_error(info.custom_id, info.error or "failed", info.id)
@@ -233,9 +260,21 @@ def _plain_output(info: JobInfo) -> dict[str, Any]:
         if result.choices:
             line["choices_logprobs"] = [[lp.model_dump() for lp in c.logprobs or []]
                                         for c in result.choices]
+    if result and result.embeddings is not None:
+        line["embeddings"] = result.embeddings
     if stats is not None:
         line["e2e_s"] = stats.e2e_s
     return line
+
+
+def _embeddings_body(info: JobInfo) -> dict[str, Any]:
+    """OpenAI's embeddings response: a vector per input, floats or base64 as asked."""
+    assert info.result is not None and info.result.embeddings is not None
+    tokens = info.result.usage.prompt_tokens
+    return {"object": "list", "model": info.model,
+            "data": [{"object": "embedding", "index": i, "embedding": v}
+                     for i, v in enumerate(info.result.embeddings)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _openai_body(kind: RowKind, info: JobInfo) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 A job travels as the JSON of :class:`JobSpec` in a Redis stream entry and is stored in SQL;
 results and statistics come back as :class:`JobResult` and :class:`JobStats`, and a worker
 reports a job's end as an :class:`Outcome`. Each contract is declared here once: the sampling
-fields are the engine's own ``SamplingParams`` (torch-free), the SQL tables derive their status
+fields are the engine's own ``SamplingParams`` and an embedding job's pooling fields its
+``PoolingParams`` (both torch-free), the SQL tables derive their status
 checks and the per-job stats columns from :class:`JobStatus` and :class:`JobStats`, and the
 CLI's job table its columns.
 """
@@ -33,6 +34,7 @@ from pydantic import (
 from pydantic_core import PydanticSerializationError
 
 from engine.outputs import FinishReason
+from engine.pooling_params import PoolingParams
 from engine.prompts import TextOrChat
 from engine.sampling_params import SamplingParams
 from jobs.constants import MAX_PAYLOAD_BYTES
@@ -103,6 +105,26 @@ class ChatMessage(_Strict):
     content: str
 
 
+EncodingFormat = Literal["float", "base64"]
+
+
+class EmbeddingInput(_Strict):
+    """What an embedding job embeds (OpenAI's ``/v1/embeddings`` request, less its model).
+
+    Args:
+        input: the texts, each embedded as it is (never templated), in this order.
+        pooling: the engine's ``PoolingParams`` (``dimensions``), validated here with its own
+            rules; whether the model allows them is the worker's to say (the job fails,
+            naming why).
+        encoding_format: how the result holds each vector: a list of floats, or ``base64``
+            of its little-endian float32 bytes (as OpenAI sends them).
+    """
+
+    input: list[Annotated[str, Field(min_length=1)]] = Field(min_length=1)
+    pooling: PoolingParams = PoolingParams()
+    encoding_format: EncodingFormat = "float"
+
+
 _id_lock = threading.Lock()
 _id_last = [0, 0]  # (milliseconds, random part) of this process's last id
 
@@ -127,7 +149,7 @@ def new_job_id() -> str:
 
 
 class JobSpec(_Strict):
-    """One generation job as submitted.
+    """One job as submitted: a generation, or with ``embed`` an embedding of its texts.
 
     Args:
         id: unique job id (generated when omitted).
@@ -139,7 +161,9 @@ class JobSpec(_Strict):
             the raw text.
         raw_prompt: text given to the model as it is, never templated (completions).
         messages: chat messages, rendered with the model's chat template.
-            A job has exactly one of ``prompt``, ``raw_prompt`` and ``messages``.
+        embed: texts to embed instead of a prompt to continue (an embedding job, which takes
+            no ``sampling``).
+            A job has exactly one of ``prompt``, ``raw_prompt``, ``messages`` and ``embed``.
         sampling: the engine's ``SamplingParams``, validated here with its own rules.
         priority: lower values are scheduled first (the engine's convention).
         metadata: free-form JSON kept with the job.
@@ -154,6 +178,7 @@ class JobSpec(_Strict):
     prompt: str | None = None
     raw_prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    embed: EmbeddingInput | None = None
     sampling: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # the SQL column is a 32-bit integer
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -180,9 +205,12 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobSpec:
-        given = [self.prompt, self.raw_prompt, self.messages]
+        given = [self.prompt, self.raw_prompt, self.messages, self.embed]
         if sum(p is not None for p in given) != 1:
-            raise ValueError("a job needs exactly one of 'prompt', 'raw_prompt' and 'messages'")
+            raise ValueError("a job needs exactly one of 'prompt', 'raw_prompt', 'messages' "
+                             "and 'embed'")
+        if self.embed is not None and self.sampling != SamplingParams():
+            raise ValueError("an embedding job takes no sampling parameters")
         return self
 
     @model_validator(mode="after")
@@ -214,7 +242,7 @@ class JobSpec(_Strict):
         return copy
 
     def engine_prompt(self, chat: bool) -> TextOrChat:
-        """What the engine takes: chat messages or raw text.
+        """What the engine takes: chat messages or raw text (a generation job's).
 
         Args:
             chat: the model has a chat template (a plain ``prompt`` becomes a user message).
@@ -223,7 +251,7 @@ class JobSpec(_Strict):
             return [m.model_dump() for m in self.messages]
         if self.prompt is not None:
             return [{"role": "user", "content": self.prompt}] if chat else self.prompt
-        assert self.raw_prompt is not None  # guaranteed by _one_prompt
+        assert self.raw_prompt is not None, "an embedding job has texts, not a prompt"
         return self.raw_prompt
 
     def expired(self, now_s: float | None = None) -> bool:
@@ -350,6 +378,9 @@ class JobResult(BaseModel):
     usage: Usage = Usage()
     # Every sample when n > 1 (the first repeats the top-level fields); empty when n == 1.
     choices: list[Choice] = Field(default_factory=list)
+    # An embedding job's vectors, one per input in order: lists of floats, or base64 strings
+    # (``EmbeddingInput.encoding_format``).
+    embeddings: list[list[float]] | list[str] | None = None
 
 
 class Bytes:

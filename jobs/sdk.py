@@ -19,7 +19,7 @@ Everything is validated (pydantic) before anything is enqueued. The async twin i
 from __future__ import annotations
 
 import uuid
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,10 +29,17 @@ from pydantic_core import ErrorDetails
 
 from engine.sampling_params import SamplingParams
 from jobs.client import JobClient
-from jobs.constants import DEFAULT_MODEL
+from jobs.constants import DEFAULT_MODEL, EMBED_TEXTS_PER_JOB
 from jobs.echo import quote
 from jobs.rows import Row, parse_row, rejected_row
-from jobs.schemas import BatchStatus, JobInfo, JobResult, JobSpec, JobStatus, check_webhook_url
+from jobs.schemas import (
+    BatchStatus,
+    JobInfo,
+    JobResult,
+    JobSpec,
+    JobStatus,
+    check_webhook_url,
+)
 from jobs.settings import connection_settings
 from jobs.stats import Stats
 
@@ -201,7 +208,7 @@ class BatchHandle:
 
 
 class Client:
-    """Submit generation jobs to kvbatch workers and read their results.
+    """Submit generation and embedding jobs to kvbatch workers and read their results.
 
     Args:
         redis_url: the queue (default ``$KVBATCH_REDIS_URL``, else local Redis).
@@ -268,6 +275,45 @@ class Client:
             "deadline": deadline})
         self.jobs.submit([spec])
         return JobHandle(self.jobs, spec.id)
+
+    def embed(self, texts: Sequence[str], *, model: str | None = None,
+              dimensions: int | None = None, priority: int = 0,
+              texts_per_job: int = EMBED_TEXTS_PER_JOB,
+              timeout_s: float | None = None) -> list[list[float]]:
+        """Embed ``texts`` and return their vectors, in order (each L2-normalized, pooled as
+        the model's configuration says).
+
+        The texts go as embedding jobs of up to ``texts_per_job`` each, which workers run in
+        the same steps as generations (prefill only).
+
+        Args:
+            texts: the texts, each embedded as it is (no chat template).
+            model: served model name (default: the client's).
+            dimensions: keep this many dimensions (Matryoshka truncation); only on a model
+                trained for it, else the jobs fail saying so.
+            priority: lower runs first.
+            texts_per_job: texts in one job.
+            timeout_s: raise ``TimeoutError`` after this long (None: wait forever).
+
+        Raises:
+            pydantic.ValidationError: an empty text or a bad ``dimensions``; nothing was
+                stored.
+            JobFailed: a job failed (a text the model cannot take, ``dimensions`` it does
+                not allow), was cancelled or expired.
+        """
+        pooling = {} if dimensions is None else {"dimensions": dimensions}
+        chunks = [list(texts[i : i + texts_per_job])
+                  for i in range(0, len(texts), texts_per_job)]
+        specs = [JobSpec.model_validate({"model": model or self.model, "priority": priority,
+                                         "embed": {"input": chunk, "pooling": pooling}})
+                 for chunk in chunks]
+        self.jobs.submit(specs)
+        done = {info.id: info for info in self.jobs.follow([s.id for s in specs], timeout_s)}
+        vectors: list[list[float]] = []
+        for spec in specs:
+            embeddings = result_of(done[spec.id]).embeddings
+            vectors += [v for v in embeddings or () if isinstance(v, list)]
+        return vectors
 
     def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row], *,
                      batch_id: str | None = None, model: str | None = None,
@@ -448,9 +494,11 @@ def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str |
             messages = [{"role": "system", "content": system_prompt}, *messages]
     key = _sampling_key(row.sampling) if sampling is not None else None
     known = sampling.get(key) if sampling is not None and key is not None else None
+    if row.embed is not None:  # an embedding: no sampling, defaults included
+        known = SamplingParams()
     spec = JobSpec.model_validate({
         "model": model, "batch_id": batch_id, "custom_id": row.custom_id, "prompt": prompt,
-        "raw_prompt": row.raw_prompt, "messages": messages,
+        "raw_prompt": row.raw_prompt, "messages": messages, "embed": row.embed,
         "sampling": known if known is not None else {**defaults, **row.sampling},
         "priority": priority if row.priority is None else row.priority,
         "metadata": row.metadata, "deadline": deadline})

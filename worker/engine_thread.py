@@ -1,8 +1,8 @@
 """Driving an engine: the loop that owns it and the runner that keeps it on a thread of the
 worker process.
 
-The worker loop sends ``Add``/``Abort``/``Stop`` commands through ``commands`` and receives
-``Stepped``, ``Rejected`` and ``Crashed`` events through ``events`` (the types of
+The worker loop sends ``Add``/``Embed``/``Abort``/``Stop`` commands through ``commands`` and
+receives ``Stepped``, ``Rejected`` and ``Crashed`` events through ``events`` (the types of
 ``worker.messages``), so neither side ever waits on the other's I/O. :func:`serve` is the
 engine's side: it applies commands between steps and steps back to back while there is work.
 It runs either on a thread (:class:`EngineThread`, for an engine object given to the worker:
@@ -21,10 +21,12 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from worker.messages import Add, Command, Crashed, Event, Rejected, Stepped, Stop
+from worker.embed_jobs import EmbedJobs
+from worker.messages import Add, Command, Crashed, Embed, Event, Rejected, Stepped, Stop
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
+    from engine.pooling_params import PoolingParams
     from engine.prompts import TextOrChat
     from engine.sampling_params import SamplingParams
 
@@ -37,8 +39,8 @@ IDLE_STATS_INTERVAL_S = 1.0
 class Engine(Protocol):
     """The streaming core of an engine, as the worker drives it (``engine.LLMEngine``)."""
 
-    def add_request(self, request_id: str, prompt: TextOrChat, params: SamplingParams, *,
-                    priority: int = 0) -> None: ...
+    def add_request(self, request_id: str, prompt: TextOrChat,
+                    params: SamplingParams | PoolingParams, *, priority: int = 0) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -85,23 +87,28 @@ def serve(engine: Engine, commands: Callable[[bool], Iterable[Command]],
     ``commands(block)`` returns (``block``: nothing to step, so wait a little for some), step
     while there is work, and ``emit`` each step (and, when idle, the stats once a second). An
     exception from the engine ends it with :class:`Crashed`; a request the engine refuses is
-    :class:`Rejected` alone."""
+    :class:`Rejected` alone. An embedding job's texts are requests of their own, gathered
+    into one output (:class:`~worker.embed_jobs.EmbedJobs`)."""
     last_stats = 0.0
+    embeds = EmbedJobs()
     try:
         while not stopped():
             for cmd in commands(not engine.has_unfinished_requests()):
                 if isinstance(cmd, Stop):
                     return
-                if isinstance(cmd, Add):
+                if isinstance(cmd, Add | Embed):
                     try:
-                        engine.add_request(cmd.job_id, cmd.prompt, cmd.params,
-                                           priority=cmd.priority)
+                        if isinstance(cmd, Embed):
+                            embeds.add(engine, cmd)
+                        else:
+                            engine.add_request(cmd.job_id, cmd.prompt, cmd.params,
+                                               priority=cmd.priority)
                     except Exception as exc:  # bad input fails this job alone
                         emit(Rejected(cmd.job_id, f"{type(exc).__name__}: {exc}"))
-                else:
+                elif not embeds.abort(engine, cmd.job_id):
                     engine.abort_request(cmd.job_id)
             if engine.has_unfinished_requests():
-                outputs = engine.step()
+                outputs = embeds.gather(engine, engine.step())
                 last_stats = time.monotonic()
                 emit(stepped(engine, last_stats, outputs))
             elif time.monotonic() - last_stats > IDLE_STATS_INTERVAL_S:

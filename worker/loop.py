@@ -46,7 +46,7 @@ from worker.engine_thread import Engine, EngineRunner, EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
 from worker.maintenance import UpkeepThread
-from worker.messages import Abort, Add, Crashed, Rejected, Stepped
+from worker.messages import Abort, Add, Crashed, Embed, Rejected, Stepped
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
@@ -244,8 +244,13 @@ class Worker:
             self._admit(d, spec)
 
     def _admit(self, d: Delivery, spec: JobSpec) -> None:
-        # spec.sampling is the engine's SamplingParams, validated when the job was decoded.
+        # spec.sampling (spec.embed.pooling) is the engine's SamplingParams (PoolingParams),
+        # validated when the job was decoded.
         self.held[spec.id] = Held(d, spec, admitted_at=time.time())
+        if spec.embed is not None:
+            self.runner.commands.put(
+                Embed(spec.id, spec.embed.input, spec.embed.pooling, spec.priority))
+            return
         self.runner.commands.put(
             Add(spec.id, spec.engine_prompt(chat=self.runner.has_chat_template), spec.sampling,
                 spec.priority))

@@ -15,6 +15,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput
+from engine.pooling_params import PoolingParams
 from engine.prompts import TextOrChat
 from engine.sampling_params import SamplingParams
 
@@ -34,6 +35,15 @@ class Add(msgspec.Struct, frozen=True, tag="add"):
     priority: int = 0
 
 
+class Embed(msgspec.Struct, frozen=True, tag="embed"):
+    """An embedding job: its texts, each one engine request (``worker.embed_jobs``)."""
+
+    job_id: str
+    inputs: list[str]
+    params: PoolingParams
+    priority: int = 0
+
+
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     job_id: str
 
@@ -42,7 +52,7 @@ class Stop(msgspec.Struct, frozen=True, tag="stop"):
     """Stop serving (after the commands before it)."""
 
 
-Command = Add | Abort | Stop
+Command = Add | Embed | Abort | Stop
 
 # -- from the engine -----------------------------------------------------------------------------
 

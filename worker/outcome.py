@@ -7,6 +7,8 @@ wait before the engine (``admitted_at - submitted_at``) plus monotonic durations
 
 from __future__ import annotations
 
+import base64
+import struct
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 from engine.outputs import FinishReason
 from jobs.schemas import (
     Choice,
+    EncodingFormat,
     JobResult,
     JobSpec,
     JobStats,
@@ -76,21 +79,14 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         peak_kv_bytes=m.peak_kv_bytes,
         preemptions=m.num_preemptions,
     )
-    top = spec.sampling.logprobs or 0
-    choices = [
-        Choice(index=c.index, text=c.text, token_ids=list(c.token_ids),
-               finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs, top, token_bytes))
-        for c in out.outputs
-    ]
-    first = choices[0] if choices else Choice(index=0, text="", token_ids=[],
-                                              finish_reason=reason)
-    result = JobResult(
-        text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-        logprobs=first.logprobs,
-        usage=Usage(prompt_tokens=m.num_prompt_tokens, cached_prompt_tokens=m.num_cached_tokens,
-                    completion_tokens=m.num_generated_tokens),
-        choices=choices if len(choices) > 1 else [],
-    )
+    usage = Usage(prompt_tokens=m.num_prompt_tokens, cached_prompt_tokens=m.num_cached_tokens,
+                  completion_tokens=m.num_generated_tokens)
+    if spec.embed is not None:
+        vectors = [c.embedding for c in out.outputs if c.embedding is not None]
+        result = JobResult(finish_reason=reason, usage=usage, embeddings=_encoded(
+            vectors, spec.embed.encoding_format) if status is JobStatus.SUCCEEDED else None)
+    else:
+        result = _generated(out, spec, reason, usage, token_bytes)
     if max_result_bytes is not None:
         size = len(result.model_dump_json().encode())
         if size > max_result_bytes:  # not stored; a cancelled or expired job stays so
@@ -100,6 +96,30 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
                 status, error = JobStatus.FAILED, over
             return Outcome(spec.id, status, time.time(), stats=stats, error=error)
     return Outcome(spec.id, status, time.time(), error=error, result=result, stats=stats)
+
+
+def _generated(out: RequestOutput, spec: JobSpec, reason: FinishReason | None, usage: Usage,
+               token_bytes: TokenBytes) -> JobResult:
+    top = spec.sampling.logprobs or 0
+    choices = [
+        Choice(index=c.index, text=c.text, token_ids=list(c.token_ids),
+               finish_reason=c.finish_reason, logprobs=_logprobs(c.logprobs, top, token_bytes))
+        for c in out.outputs
+    ]
+    first = choices[0] if choices else Choice(index=0, text="", token_ids=[],
+                                              finish_reason=reason)
+    return JobResult(
+        text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+        logprobs=first.logprobs, usage=usage, choices=choices if len(choices) > 1 else [],
+    )
+
+
+def _encoded(vectors: list[list[float]],
+             encoding: EncodingFormat) -> list[list[float]] | list[str]:
+    """Vectors as floats, or as OpenAI's base64 of their little-endian float32 bytes."""
+    if encoding == "float":
+        return vectors
+    return [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in vectors]
 
 
 def _logprobs(steps: list[dict[int, float]] | None, top: int,

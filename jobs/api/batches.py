@@ -53,13 +53,20 @@ from jobs.export import export_batch
 from jobs.lease import Lease, LeaseLost
 from jobs.models import ApiBatch, File
 from jobs.queue import announce_ended
-from jobs.rows import CHAT_URL, COMPLETIONS_URL, RowKind, output_line, parse_row
+from jobs.rows import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    EMBEDDINGS_URL,
+    RowKind,
+    output_line,
+    parse_row,
+)
 from jobs.schemas import BatchStatus, JobSpec, JobStatus
 from jobs.sdk import row_spec, validation_message
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 FILE_KINDS = ("output", "error")  # the files of an ended batch
 MAX_ERRORS = 100  # line errors kept on a failed batch
 CHUNK_ROWS = 1000  # rows per transaction and Redis pipeline when submitting
@@ -129,7 +136,7 @@ class BatchRunner:
         """A new batch, ``validating``; the runner takes it from there."""
         if endpoint not in ENDPOINTS:
             raise ApiError(400, f"endpoint {quote(endpoint)} is not supported: "
-                                f"{' or '.join(ENDPOINTS)}", param="endpoint")
+                                f"{', '.join(ENDPOINTS)}", param="endpoint")
         window_s = window_seconds(completion_window)
         if metadata is not None and (len(metadata) > 16 or any(
                 not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512

@@ -121,8 +121,9 @@ class MaintenanceStore:
             return reaped, (rows[-1].id if len(rows) == limit else None)
 
     def purge_results(self, finished_before_s: float, limit: int = 1000) -> int:
-        """Drop the result payload (text, token ids, logprobs, choices) of up to ``limit``
-        terminal jobs finished before then; rows and their stats stay for the dashboards."""
+        """Drop the result payload (text, token ids, logprobs, choices, embeddings) of up to
+        ``limit`` terminal jobs finished before then; rows and their stats stay for the
+        dashboards."""
         with Session(self.engine) as session, session.begin():
             ids = session.scalars(
                 select(Job.id).where(
@@ -135,7 +136,8 @@ class MaintenanceStore:
                 return 0
             session.execute(
                 update(Job).where(Job.id.in_(ids)).values(
-                    text=null(), token_ids=null(), logprobs=null(), choices=null()
+                    text=null(), token_ids=null(), logprobs=null(), choices=null(),
+                    embeddings=null(),
                 )
             )
             return len(ids)

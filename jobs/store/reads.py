@@ -171,6 +171,7 @@ def _info(job: Job, metrics: JobMetrics | None) -> JobInfo:
                 completion_tokens=stats.generated_tokens if stats else 0,
             ),
             choices=[Choice.model_validate(c) for c in job.choices or []],
+            embeddings=job.embeddings,
         )
     return JobInfo(
         id=job.id, batch_id=job.batch_id, custom_id=job.custom_id, model=job.model,

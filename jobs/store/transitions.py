@@ -125,6 +125,7 @@ def _terminal_values(outcome: Outcome, worker_id: str | None,
             logprobs=None if result.logprobs is None else [
                 lp.model_dump(mode="json") for lp in result.logprobs],
             choices=[c.model_dump(mode="json") for c in result.choices] or None,
+            embeddings=result.embeddings,
         )
     return values
 

@@ -53,7 +53,10 @@ def test_parse_row(row, expected) -> None:  # type: ignore[no-untyped-def]
     ({"prompt": "x", "colour": 1}, "unknown field"),
     ({"url": CHAT, "body": {}}, "needs a 'custom_id'"),
     ({"custom_id": "a", "method": "GET", "url": CHAT, "body": {}}, "POST only"),
-    ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "not supported"),
+    ({"custom_id": "a", "url": "/v1/moderations", "body": {}}, "not supported"),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {}}, "'input' must be a string"),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": [1, 2]}}, "list of strings"),
+    ({"custom_id": "a", "url": "/v1/embeddings", "body": {"input": "x", "n": 2}}, "'n'"),
     ({"custom_id": "a", "url": CHAT, "body": {"tools": []}}, "'tools'"),
     ({"custom_id": "a", "url": CHAT, "body": {"messages": [
         {"role": "user", "content": [{"type": "image_url"}]}]}}, "text content parts"),
