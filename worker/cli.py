@@ -15,7 +15,13 @@ import sys
 from collections.abc import Sequence
 
 from jobs.api.commands import add_api_commands
-from jobs.commands import add_commands, command_client, connection_arguments, database_url_argument
+from jobs.commands import (
+    EXIT_INTERRUPTED,
+    add_commands,
+    command_client,
+    connection_arguments,
+    database_url_argument,
+)
 from jobs.constants import DEFAULT_MODEL
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
@@ -83,8 +89,13 @@ def _pipeline(args: argparse.Namespace) -> int:
     if not isinstance(pipeline, Pipeline):
         raise ValueError(f"{args.file} defines no module-level `pipeline` (a jobs.Pipeline)")
     with command_client(args, args.model) as client:
-        result = pipeline.run(client, output=args.output, errors=args.errors,
-                              progress=args.progress)
+        try:
+            result = pipeline.run(client, output=args.output, errors=args.errors,
+                                  progress=args.progress)
+        except KeyboardInterrupt:
+            print("\ninterrupted: the jobs keep running; run the same command again to resume",
+                  file=sys.stderr)
+            return EXIT_INTERRUPTED
     print(result.table())
     return 0
 

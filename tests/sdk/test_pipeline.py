@@ -89,6 +89,14 @@ def test_three_stages_fan_out_filter_and_stream(client: Client, start_worker,  #
                                                             for r in jobs["questions"])
 
 
+def _script(tmp_path: Path, name: str, n: int) -> Path:
+    """What `kvbatch pipeline run` takes: a file with a module-level pipeline."""
+    script = tmp_path / "qa.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                      f"from pipeline_qa import build\npipeline = build({name!r}, {n})\n")
+    return script
+
+
 def _count(client: Client, pipeline: str) -> dict[str, int]:
     return {stage: len(rows) for stage, rows in _jobs(client, pipeline).items()}
 
@@ -125,9 +133,7 @@ def test_a_killed_driver_resumes_to_the_same_rows(  # type: ignore[no-untyped-de
         cli_args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     start_worker(max_num_seqs=1)
     build("fresh", N).run(client, output=tmp_path / "fresh.jsonl", timeout_s=120)
-    script = tmp_path / "qa.py"  # what `kvbatch pipeline run` takes: a module-level pipeline
-    script.write_text(f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-                      f"from pipeline_qa import build\npipeline = build('killed', {N})\n")
+    script = _script(tmp_path, "killed", N)
     run = ["pipeline", "run", str(script), "-o", str(tmp_path / "killed.jsonl"),
            "--model", "tiny", "--no-progress"]
     driver = subprocess.Popen([sys.executable, "-m", "worker.cli", *run], env=cli_env)
@@ -239,3 +245,21 @@ def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
     with pytest.raises(ValueError, match="must match"):
         Pipeline("no spaces")
     assert [s.name for s in p.stages] == ["first"]  # nothing refused was added
+
+
+def test_an_interrupted_command_says_how_to_resume(  # type: ignore[no-untyped-def]
+        client: Client, tmp_path: Path, cli_env: dict[str, str]) -> None:
+    script = _script(tmp_path, "stopped", 2)  # no worker runs: it waits on its first stage
+    driver = subprocess.Popen([sys.executable, "-m", "worker.cli", "pipeline", "run",
+                               str(script), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny"],
+                              env=cli_env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _jobs(client, "stopped").get("questions"):
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=30)
+    assert driver.returncode == 130
+    assert err.splitlines()[-1] == ("interrupted: the jobs keep running; run the same command "
+                                    "again to resume")
+    assert _count(client, "stopped") == {"questions": 2}
