@@ -19,12 +19,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from pydantic_core import to_jsonable_python
 
 from jobs.follow import Follower
 from jobs.pipeline import Pipeline, RowDict, Stage, canonical
+from jobs.rows import Row
 from jobs.schemas import JobInfo, JobStatus
 from jobs.sdk import Client
 
@@ -159,7 +160,7 @@ class PipelineRun:
                                       "attempt": attempt}})
         if not rows:
             return
-        rejected: dict[str, Any] = {}
+        rejected: dict[str, Row] = {}
         handle = self.client.submit_batch(rows, batch_id=stage.batch_id, model=stage.model,
                                           rejected=rejected, **stage.job_sampling(attempt))
         for custom_id, row in rejected.items():
@@ -190,8 +191,7 @@ class PipelineRun:
             else:
                 self._fail(task, f"parse: {exc}")
             return
-        self.bars[stage.name].update()
-        row = {**task.row, stage.name: values[0] if len(values) == 1 else values}
+        row = {**task.row, stage.name: values if stage.sampling.get("n", 1) > 1 else values[0]}
         try:  # the user's functions: one that raises on this row fails the row alone
             kept = stage.keep is None or stage.keep(row)
             fed = [(child, list(child.explode(row)) if child.explode else [row])
@@ -199,6 +199,7 @@ class PipelineRun:
         except Exception as exc:
             self._fail(task, f"keep or explode: {exc!r}")
             return
+        self.bars[stage.name].update()
         if not kept:
             summary.filtered += 1
             return

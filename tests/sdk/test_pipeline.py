@@ -155,7 +155,7 @@ def test_a_killed_driver_resumes_to_the_same_rows(  # type: ignore[no-untyped-de
             len(_jobs(client, "killed")["judge"]))]]
 
 
-def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[no-untyped-def]
+def test_a_row_that_does_not_parse_is_retried_then_fails_alone_as_one_whose_keep_raises(  # type: ignore[no-untyped-def]
         client: Client, start_worker, tmp_path: Path) -> None:
     start_worker()
 
@@ -165,20 +165,24 @@ def test_a_row_that_does_not_parse_is_retried_then_fails_alone(  # type: ignore[
         return text.upper()
 
     p = Pipeline("flaky")
-    p.stage("gen", source=[{"i": i} for i in range(4)], prompt=lambda r: f"say {r['i']}",
-            parse=parse, retries=2, max_tokens=4, temperature=0.0, seed=11)
+    p.stage("gen", source=[{"i": i} for i in range(5)], prompt=lambda r: f"say {r['i']}",
+            parse=parse, retries=2, max_tokens=4, temperature=0.0, seed=11,
+            keep=lambda r: 1 / (r["i"] - 4) < 0)  # raises on row 4
     result = p.run(client, output=tmp_path / "out.jsonl", errors=tmp_path / "err.jsonl",
                    timeout_s=60)
     assert sorted(r["i"] for r in result.rows) == [0, 1, 3]
     assert all(r["gen"] == r["gen"].upper() for r in result.rows)
-    (failure,) = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
-    assert failure["row"] == {"i": 2} and failure["error"] == "parse: not a number"
+    failures = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert sorted((f["row"]["i"], f["error"]) for f in failures) == [
+        (2, "parse: not a number"),
+        (4, "keep or explode: ZeroDivisionError('division by zero')")]
     summary = result.summary["gen"]
-    assert (summary.rows_in, summary.rows_out, summary.failed, summary.retried) == (4, 3, 1, 2)
+    assert (summary.rows_in, summary.rows_out, summary.failed, summary.retried) == (5, 3, 2, 2)
     jobs = _jobs(client, "flaky")["gen"]
+    unparsed = next(f["key"] for f in failures if f["row"]["i"] == 2)
     tries = sorted((r.metadata["attempt"], r.spec["sampling"]["seed"]) for r in jobs
-                   if r.metadata["key"] == failure["key"])
-    assert tries == [(0, 11), (1, 12), (2, 13)] and len(jobs) == 6  # another seed each try
+                   if r.metadata["key"] == unparsed)
+    assert tries == [(0, 11), (1, 12), (2, 13)] and len(jobs) == 7  # another seed each try
 
 
 def test_n_samples_make_a_list_and_a_json_schema_a_dict(  # type: ignore[no-untyped-def]
