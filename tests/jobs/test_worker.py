@@ -136,7 +136,7 @@ def test_bad_jobs_fail_alone_with_readable_errors(
         too_long.id: "max_model_len",
         bad_sampling.id: "temperature must be >= 0.0",
         not_json.id: "malformed job message",
-        wrong_schema.id: "exactly one of 'prompt', 'raw_prompt' and 'messages'",
+        wrong_schema.id: "exactly one of 'prompt', 'raw_prompt', 'messages' and 'embed'",
         other_model.id: "unknown model 'no-such-model'",
     }
     for job_id, fragment in expected.items():
