@@ -177,7 +177,7 @@ def test_bad_requests_get_openai_errors(openai_client) -> None:  # type: ignore[
     client = openai_client()
     file_id = upload(client, jsonl([chat_row("a")]))
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
+        client.batches.create(input_file_id=file_id, endpoint="/v1/moderations",
                               completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
