@@ -12,15 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from jobs.constants import DEFAULT_MODEL
+from jobs.constants import DEFAULT_MODEL, EMBED_TEXTS_PER_JOB
 from jobs.follow import Follower
 from jobs.rows import Row
 from jobs.schemas import JobInfo, JobResult, JobStatus
-from jobs.sdk import BatchCounts, BatchHandle, Client, JobHandle, result_of
+from jobs.sdk import (
+    BatchCounts,
+    BatchHandle,
+    Client,
+    JobHandle,
+    embedding_specs,
+    embedding_vectors,
+    result_of,
+)
 from jobs.settings import connection_settings
 from jobs.stats import Stats
 
@@ -165,6 +173,18 @@ class AsyncClient:
         """
         handle = await asyncio.to_thread(functools.partial(self.sync.submit, prompt, **kwargs))
         return AsyncJobHandle(self, handle.id)
+
+    async def embed(self, texts: Sequence[str], *, model: str | None = None,
+                    dimensions: int | None = None, priority: int = 0,
+                    texts_per_job: int = EMBED_TEXTS_PER_JOB,
+                    timeout_s: float | None = None) -> list[list[float]]:
+        """Embed ``texts``; their vectors, in order. The arguments and errors are
+        :meth:`jobs.sdk.Client.embed`'s."""
+        specs = embedding_specs(texts, model=model or self.sync.model, dimensions=dimensions,
+                                priority=priority, texts_per_job=texts_per_job)
+        await asyncio.to_thread(self.jobs.submit, specs)
+        ids = [spec.id for spec in specs]
+        return embedding_vectors(ids, {info.id: info async for info in self.follow(ids, timeout_s)})
 
     async def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row],
                            **kwargs: Any) -> AsyncBatchHandle:

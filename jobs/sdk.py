@@ -301,19 +301,11 @@ class Client:
             JobFailed: a job failed (a text the model cannot take, ``dimensions`` it does
                 not allow), was cancelled or expired.
         """
-        pooling = {} if dimensions is None else {"dimensions": dimensions}
-        chunks = [list(texts[i : i + texts_per_job])
-                  for i in range(0, len(texts), texts_per_job)]
-        specs = [JobSpec.model_validate({"model": model or self.model, "priority": priority,
-                                         "embed": {"input": chunk, "pooling": pooling}})
-                 for chunk in chunks]
+        specs = embedding_specs(texts, model=model or self.model, dimensions=dimensions,
+                                priority=priority, texts_per_job=texts_per_job)
         self.jobs.submit(specs)
-        done = {info.id: info for info in self.jobs.follow([s.id for s in specs], timeout_s)}
-        vectors: list[list[float]] = []
-        for spec in specs:
-            embeddings = result_of(done[spec.id]).embeddings
-            vectors += [v for v in embeddings or () if isinstance(v, list)]
-        return vectors
+        ids = [spec.id for spec in specs]
+        return embedding_vectors(ids, {info.id: info for info in self.jobs.follow(ids, timeout_s)})
 
     def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row], *,
                      batch_id: str | None = None, model: str | None = None,
@@ -473,6 +465,26 @@ class Client:
             model: served model name.
         """
         return self.jobs.serves(model or self.model)
+
+
+def embedding_specs(texts: Sequence[str], *, model: str, dimensions: int | None,
+                    priority: int, texts_per_job: int) -> list[JobSpec]:
+    """The embedding jobs of ``texts``, ``texts_per_job`` a job, in order (``Client.embed``)."""
+    pooling = {} if dimensions is None else {"dimensions": dimensions}
+    return [JobSpec.model_validate({"model": model, "priority": priority,
+                                    "embed": {"input": list(texts[i : i + texts_per_job]),
+                                              "pooling": pooling}})
+            for i in range(0, len(texts), texts_per_job)]
+
+
+def embedding_vectors(job_ids: Sequence[str], done: Mapping[str, JobInfo]) -> list[list[float]]:
+    """The vectors of the finished embedding jobs ``job_ids`` (float-encoded), in order;
+    :class:`JobFailed` for the first that did not succeed."""
+    vectors: list[list[float]] = []
+    for job_id in job_ids:
+        embeddings = result_of(done[job_id]).embeddings
+        vectors += [v for v in embeddings or () if isinstance(v, list)]
+    return vectors
 
 
 def row_spec(row: Row, *, model: str, batch_id: str | None, system_prompt: str | None,

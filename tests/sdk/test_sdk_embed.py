@@ -5,6 +5,7 @@ does not allow fails its job naming why."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from services import jsonl
 
 from engine import EngineConfig, LLMEngine, PoolingParams
+from jobs import AsyncClient
 from jobs.sdk import Client, JobFailed
 from worker.cli import main
 
@@ -35,7 +37,8 @@ def _assert_same(got: list[list[float]], ref: torch.Tensor) -> None:
 
 
 def test_embed_returns_vectors_in_order_with_stats(client: Client, start_worker,  # type: ignore[no-untyped-def]
-                                                   tiny_model: str) -> None:
+                                                   tiny_model: str,
+                                                   services: dict[str, str]) -> None:
     start_worker()
     generation = client.submit(raw_prompt="shares the steps", max_tokens=8, temperature=0)
     vectors = client.embed(TEXTS, texts_per_job=3, timeout_s=120)
@@ -52,6 +55,12 @@ def test_embed_returns_vectors_in_order_with_stats(client: Client, start_worker,
 
     with pytest.raises(JobFailed, match="not a Matryoshka model"):
         client.embed(TEXTS[:2], dimensions=8, timeout_s=60)
+
+    async def embed_async() -> list[list[float]]:
+        async with AsyncClient(model=MODEL, **services) as aclient:
+            return await aclient.embed(TEXTS[:5], texts_per_job=2, timeout_s=60)
+
+    _assert_same(asyncio.run(embed_async()), torch.tensor(vectors[:5]))
 
 
 def test_submit_file_with_embedding_rows(tmp_path: Path, client: Client, start_worker,  # type: ignore[no-untyped-def]
