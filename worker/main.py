@@ -85,17 +85,24 @@ def run_worker(settings: WorkerSettings) -> int:
     call :func:`preflight` first."""
     from worker.loop import Worker
 
-    worker = Worker(settings, start_engine(settings))
-    if settings.metrics_port is not None:
-        serve_metrics(settings, worker.metrics.registry)
+    # A stop asked for while the model loads is taken once the worker exists (holding
+    # nothing yet, it then stops at once, exit 0): under the default action the process would
+    # die mid-load with status -15.
+    worker: Worker | None = None
     signals = 0
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal signals
         signals += 1
         log.info("signal %d: %s", signum, "stopping" if signals == 1 else "no drain")
-        worker.stop(drain=signals == 1)
+        if worker is not None:
+            worker.stop(drain=signals == 1)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    worker = Worker(settings, start_engine(settings))
+    if signals:
+        worker.stop(drain=signals == 1)
+    if settings.metrics_port is not None:
+        serve_metrics(settings, worker.metrics.registry)
     return worker.run()

@@ -181,3 +181,23 @@ def test_engine_process_killed_worker_exits_and_jobs_move_on(
     infos = client.wait(ids, timeout_s=90)
     assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 2 for i in infos), infos
     assert {i.worker_id for i in infos} == {survivor.worker.worker_id}
+
+
+def test_sigterm_while_the_model_loads_stops_cleanly(
+    keys: Keys, pg_url: str, pg_engine: sa.Engine, tiny_model: str, wait_for, tmp_path: Path,
+) -> None:  # type: ignore[no-untyped-def]
+    """A worker told to stop while its engine loads (a rollout, a scale-down) stops once it
+    can, holding nothing: exit 0 and its engine process gone, not killed mid-load (-15)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = _worker_cmd(["worker"], tiny_model, keys, pg_url, "--worker-id", "brief")
+    log = (tmp_path / "worker.log").open("w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        (engine_pid,) = wait_for(lambda: child_pids(proc.pid), 60)  # loading its model
+        assert "ready" not in (tmp_path / "worker.log").read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        wait_for(lambda: not _running(engine_pid), 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
