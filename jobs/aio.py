@@ -188,18 +188,18 @@ class AsyncClient:
 
     async def submit_batch(self, rows: Iterable[Mapping[str, Any] | Row],
                            **kwargs: Any) -> AsyncBatchHandle:
-        """Submit many rows as one batch; ``custom_id`` is the idempotency key.
+        """Submit many rows as one batch, streamed in chunks (in a thread); ``custom_id`` is
+        the idempotency key.
 
         Args:
-            rows: plain or OpenAI Batch API rows.
+            rows: plain or OpenAI Batch API rows, any iterable (read in a thread).
             **kwargs: as :meth:`jobs.sdk.Client.submit_batch` (``batch_id``, ``model``,
                 ``system_prompt``, ``priority``, ``deadline``, ``webhook_url``, sampling
                 defaults).
 
         Raises:
-            ValueError: a malformed row; nothing was enqueued.
+            ValueError: a malformed row; nothing of its chunk or after was enqueued.
         """
-        rows = list(rows)
         handle = await asyncio.to_thread(functools.partial(self.sync.submit_batch, rows,
                                                            **kwargs))
         return AsyncBatchHandle(self, handle)

@@ -18,6 +18,7 @@ Everything is validated (pydantic) before anything is enqueued. The async twin i
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -313,9 +314,12 @@ class Client:
                      deadline: datetime | None = None, webhook_url: str | None = None,
                      chunk_size: int = 1000, rejected: dict[str, Row] | None = None,
                      new_rows: bool = False, **defaults: Any) -> BatchHandle:
-        """Submit many rows as one batch, pipelined (one transaction and one Redis pipeline
-        per ``chunk_size`` rows). ``custom_id`` is the idempotency key: rows the batch already
-        holds are not submitted again, so resubmitting a batch never runs a row twice.
+        """Submit many rows as one batch, streamed: ``rows`` (any iterable, a generator
+        included) is read, checked and stored ``chunk_size`` rows at a time (one transaction
+        and one Redis pipeline each, the next chunk checked while one is stored), so memory
+        holds a chunk and the rows' ids, whatever the batch's length. ``custom_id`` is the
+        idempotency key: rows the batch already holds are not submitted again, so
+        resubmitting a batch never runs a row twice.
 
         Args:
             rows: plain rows (``{"custom_id", "prompt" | "messages", <sampling fields>,
@@ -335,14 +339,17 @@ class Client:
             chunk_size: rows per SQL transaction and Redis pipeline.
             rejected: when given, a row that cannot run (malformed, invalid, over a limit, or
                 carrying an ``error``) is put there by ``custom_id``, with its ``error``, and
-                the others are submitted; when None, such a row refuses the whole batch.
+                the others are submitted; when None, such a row refuses its chunk and the
+                rest (the chunks before it are stored: fix the row and submit again with the
+                same ``batch_id`` to resume).
             new_rows: none of the rows can be in the batch already (the caller made the batch
                 and submits distinct rows to it in parts): they are not looked up in SQL.
             **defaults: sampling fields for rows that do not set them (``max_tokens=…``).
 
         Raises:
             ValueError: a malformed row (its index is named) or one over a limit (its
-                ``custom_id`` is named), unless ``rejected`` is given; nothing was enqueued.
+                ``custom_id`` is named), or a ``custom_id`` given twice, unless ``rejected``
+                is given; nothing of that row's chunk or after was enqueued.
             pydantic.ValidationError: as ``ValueError``, from the job schema.
         """
         batch_id = batch_id or f"batch-{uuid.uuid4().hex}"
@@ -356,17 +363,30 @@ class Client:
                 or (deadline is not None and deadline != current[1])):
             raise ValueError(f"batch {batch_id!r} exists: its webhook and deadline were set by "
                              "its first submission and cannot be changed by another")
-        specs, valid, refused = self._specs(rows, batch_id=batch_id, model=model,
-                                            system_prompt=system_prompt, priority=priority,
-                                            deadline=deadline, rejected=rejected,
-                                            defaults=defaults)
-        over_limit: dict[str, str] | None = None if rejected is None else {}
-        job_ids = self.jobs.submit_batch(batch_id, specs, chunk_size, webhook_url=webhook_url,
-                                         deadline=deadline, over_limit=over_limit,
-                                         new_rows=new_rows or current is None)
-        if rejected is not None:
-            rejected |= refused
-            rejected |= {c: replace(valid[c], error=e) for c, e in (over_limit or {}).items()}
+        job_ids: dict[str, str] = {}
+        seen: set[str] = set()  # custom_ids of the chunks before: each once in the batch
+        it, read = iter(rows), 0
+        with self.jobs.store_behind():  # a chunk is checked while the one before is stored
+            while chunk := list(itertools.islice(it, chunk_size)):
+                specs, valid, refused = self._specs(
+                    chunk, start=read, batch_id=batch_id, model=model,
+                    system_prompt=system_prompt, priority=priority, deadline=deadline,
+                    rejected=rejected, defaults=defaults)
+                dup = next((c for c in itertools.chain(valid, refused) if c in seen), None)
+                if dup is not None:
+                    raise ValueError(f"custom_id {quote(dup)} appears more than once in batch "
+                                     f"{batch_id!r}")
+                seen.update(valid, refused)
+                read += len(chunk)
+                over_limit: dict[str, str] | None = None if rejected is None else {}
+                job_ids |= self.jobs.submit_batch(batch_id, specs, chunk_size,
+                                                  webhook_url=webhook_url, deadline=deadline,
+                                                  over_limit=over_limit,
+                                                  new_rows=new_rows or current is None)
+                if rejected is not None:
+                    rejected |= refused
+                    rejected |= {c: replace(valid[c], error=e)
+                                 for c, e in (over_limit or {}).items()}
         # A batch that existed holds rows these did not name: its handle reads them all.
         return BatchHandle(self.jobs, batch_id, job_ids if current is None else None, job_ids)
 
@@ -385,7 +405,7 @@ class Client:
             except ValueError as exc:
                 raise ValueError(f"row {quote(spec.custom_id)}: {exc}") from exc
 
-    def _specs(self, rows: Iterable[Mapping[str, Any] | Row], *, batch_id: str,
+    def _specs(self, rows: Iterable[Mapping[str, Any] | Row], *, start: int = 0, batch_id: str,
                model: str | None, system_prompt: str | None, priority: int,
                deadline: datetime | None, rejected: dict[str, Row] | None,
                defaults: Mapping[str, Any]) -> tuple[list[JobSpec], dict[str, Row],
@@ -395,7 +415,7 @@ class Client:
         specs, valid = [], {}
         refused: dict[str, Row] = {}
         sampling: dict[Hashable, SamplingParams] = {}
-        for index, raw in enumerate(rows):
+        for index, raw in enumerate(rows, start):
             row = None
             try:
                 row = raw if isinstance(raw, Row) else parse_row(raw, index)
