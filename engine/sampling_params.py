@@ -26,6 +26,13 @@ MAX_CHOICES = 1024
 # Objects and arrays in a json_schema, nested (a property of an object is two levels down):
 # real schemas nest a few dozen; a deeper one only exhausts the stacks that walk it.
 MAX_SCHEMA_DEPTH = 64
+# Cheap bounds on what a worker's grammar compiler is given, checked at submission: the
+# compile time grows with the properties of a schema and the size of its patterns (a
+# 17-character nested repeat takes ~0.6 s), so a request of thousands of them is refused
+# before it is stored rather than failed by the worker's compile budget.
+MAX_SCHEMA_PROPERTIES = 1000  # in all, across every object of a json_schema
+MAX_PATTERN_CHARS = 1000  # a regex response format, a schema's pattern or patternProperties key
+MAX_GRAMMAR_BYTES = 64 * 1024  # a grammar response format, UTF-8
 # Read by pydantic where these dataclasses are field types (the job schema): unknown fields
 # are refused and inf/NaN are not JSON. Plain dict: no pydantic import here.
 _PYDANTIC_CONFIG: dict[str, Any] = {"extra": "forbid", "allow_inf_nan": False}
@@ -50,11 +57,9 @@ class JsonSchema:
             raise ValueError("json_schema.name must be 1-64 letters, digits, '_' or '-'")
         if not isinstance(self.schema, Mapping):
             raise ValueError("json_schema.schema must be a JSON Schema object")
-        if _depth(self.schema) > MAX_SCHEMA_DEPTH:
-            # Checked without recursion before anything recursive (the schema check here, the
-            # grammar compiler on the worker) walks it.
-            raise ValueError(f"json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} "
-                             "levels deep")
+        # Checked without recursion before anything recursive (the schema check here, the
+        # grammar compiler on the worker) walks it.
+        _check_schema_size(self.schema)
         from jsonschema.exceptions import SchemaError
         from jsonschema.validators import validator_for
 
@@ -110,6 +115,11 @@ class ResponseFormat:
             text = payload[self.type]
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"response_format.{self.type} must be a non-empty string")
+        if self.type == "regex":
+            _check_pattern(str(self.regex), "response_format.regex")
+        if self.type == "grammar" and len(str(self.grammar).encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"response_format.grammar is over {MAX_GRAMMAR_BYTES} bytes "
+                             "(MAX_GRAMMAR_BYTES)")
         if self.type == "choice":
             choice = self.choice or ()
             if not choice or len(choice) > MAX_CHOICES or not all(
@@ -244,20 +254,37 @@ class SamplingParams:
         )
 
 
-def _depth(value: Any) -> int:
-    """How deep ``value``'s objects and arrays nest (a scalar is 0), without recursion."""
-    deepest, todo = 0, [(value, 1)]
+def _check_schema_size(schema: Mapping[str, Any]) -> None:
+    """Refuse a json_schema over a structural limit (objects and arrays nested past
+    :data:`MAX_SCHEMA_DEPTH`, more than :data:`MAX_SCHEMA_PROPERTIES` properties in all, a
+    pattern over :data:`MAX_PATTERN_CHARS`), walking it once without recursion."""
+    properties, todo = 0, [(schema, 1)]
     while todo:
         item, level = todo.pop()
         children = (item.values() if isinstance(item, Mapping)
                     else item if isinstance(item, list | tuple) else None)
         if children is None:
             continue
-        deepest = max(deepest, level)
-        if deepest > MAX_SCHEMA_DEPTH:
-            break
+        if level > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} "
+                             "levels deep (MAX_SCHEMA_DEPTH)")
+        if isinstance(item, Mapping):
+            named = item.get("properties")
+            properties += len(named) if isinstance(named, Mapping) else 0
+            if properties > MAX_SCHEMA_PROPERTIES:
+                raise ValueError(f"json_schema.schema has more than {MAX_SCHEMA_PROPERTIES} "
+                                 "properties (MAX_SCHEMA_PROPERTIES)")
+            patterns = item.get("patternProperties")
+            for pattern in [item.get("pattern"), *(patterns if isinstance(patterns, Mapping)
+                                                   else ())]:
+                if isinstance(pattern, str):
+                    _check_pattern(pattern, "a pattern of json_schema.schema")
         todo.extend((child, level + 1) for child in children)
-    return deepest
+
+
+def _check_pattern(pattern: str, what: str) -> None:
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise ValueError(f"{what} is over {MAX_PATTERN_CHARS} characters (MAX_PATTERN_CHARS)")
 
 
 def _build(cls: type[Any], value: Mapping[str, Any], name: str) -> Any:
