@@ -8,6 +8,7 @@ content of files reach the logs (uvicorn's access log shows methods, paths and s
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -18,8 +19,8 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,19 +45,40 @@ MAX_JSON_BYTES = 1 << 20  # any other request's body
 # A declared body this far past the upload limit is refused before it is read; a smaller one is
 # read (and dropped past the limit) so that the client gets the 413 rather than a broken pipe.
 REFUSE_UNREAD_FACTOR = 4
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # refused in a filename (PostgreSQL
+# takes no NUL in text; the others would reach a terminal through `kvbatch` and the logs)
 
 
 class BodyLimit:
     """ASGI middleware: a request other than an upload carries at most ``limit`` bytes (the
     JSON of ``POST /v1/batches`` is small), so no unauthenticated client can make the server
-    hold a huge body. 413 past it."""
+    hold a huge body, 413 past it; and every request's body, uploads included, comes at least
+    one chunk every ``read_timeout_s`` (uvicorn has no body read timeout), 408 when it stops
+    coming, so that a client that stops mid-body does not hold its request forever."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_JSON_BYTES) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, read_timeout_s: float, limit: int = MAX_JSON_BYTES) -> None:
+        self.app, self.read_timeout_s, self.limit = app, read_timeout_s, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or (scope["method"], scope["path"]) == ("POST", "/v1/files"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        body_done = False
+
+        async def timed() -> Message:
+            nonlocal body_done
+            if body_done:  # past the body: a wait for the client's disconnect, not a read
+                return await receive()
+            with anyio.move_on_after(self.read_timeout_s) as wait:
+                message = await receive()
+            if wait.cancelled_caught:
+                raise HTTPException(408, f"the request body stopped coming for "
+                                         f"{self.read_timeout_s:g} s")
+            body_done = not message.get("more_body", False)
+            return message
+
+        if (scope["method"], scope["path"]) == ("POST", "/v1/files"):
+            await self.app(scope, timed, send)
             return
         too_big = ApiError(413, f"a request body is at most {self.limit} bytes")
         length = dict(scope["headers"]).get(b"content-length", b"0")
@@ -67,7 +89,7 @@ class BodyLimit:
 
         async def limited() -> Message:
             nonlocal received
-            message = await receive()
+            message = await timed()
             received += len(message.get("body", b""))
             if received > self.limit:  # a body without a declared length
                 # HTTPException: FastAPI turns anything else raised while reading into a 400
@@ -130,7 +152,7 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings,
     app = FastAPI(title="kvbatch", summary="OpenAI-compatible Files and Batches",
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner, app.state.keys = runner, keys
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, read_timeout_s=settings.body_read_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -237,8 +259,10 @@ async def receive_upload(request: Request, owner: str, records: ApiRecords,
     whatever the file's size.
 
     Raises:
-        ApiError: 400 for a malformed form, a purpose other than ``batch``, a bad
-            ``expires_after`` or a quota exceeded, 413 past ``limit`` bytes (nothing is kept).
+        ApiError: 400 for a malformed form (a boundary over python-multipart's 256 bytes, a
+            body cut before its closing boundary, control characters in the filename), a
+            purpose other than ``batch``, a bad ``expires_after`` or a quota exceeded, 413 past
+            ``limit`` bytes (nothing is kept).
     """
     content_type, options = parse_options_header(request.headers.get("content-type"))
     boundary = options.get(b"boundary")
@@ -252,19 +276,21 @@ async def receive_upload(request: Request, owner: str, records: ApiRecords,
     if declared > REFUSE_UNREAD_FACTOR * limit:
         raise too_big
     form = _Form(storage, new_id("file-"), limit)
-    parser = MultipartParser(boundary, form.callbacks())
     received = 0
     try:
+        parser = MultipartParser(boundary, form.callbacks())
         async for chunk in request.stream():
             received += len(chunk)
             if received > REFUSE_UNREAD_FACTOR * limit:  # a body without a declared length
                 raise too_big
             await anyio.to_thread.run_sync(parser.write, chunk)
         parser.finalize()
+        if parser.state != MultipartState.END:
+            raise ApiError(400, "the multipart body ends before its closing boundary")
         return await anyio.to_thread.run_sync(form.finish, records, owner, quotas)
     except ClientDisconnect:
         raise ApiError(400, "the upload was cut off") from None
-    except MultipartParseError as exc:
+    except FormParserError as exc:
         raise ApiError(400, f"malformed multipart form: {exc}") from None
     finally:
         form.discard()
@@ -337,6 +363,8 @@ class _Form:
             raise ApiError(413, f"the file is over the {self.limit}-byte upload limit")
         if self.upload is None:
             raise ApiError(400, "the form has no 'file' part", param="file")
+        if self.filename is not None and CONTROL_CHARACTERS.search(self.filename):
+            raise ApiError(400, "the file's name has control characters", param="file")
         purpose = self.fields.get("purpose")
         if purpose != "batch":
             raise ApiError(400, f"purpose {quote(purpose)} is not supported: kvbatch takes files "

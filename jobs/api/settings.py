@@ -45,6 +45,9 @@ class ApiSettings(BaseSettings):
     max_attempts: int = Field(5, ge=1, description="tries at validating a batch, and at "
                                                    "writing its files, before it ends without "
                                                    "(failed, or without its files)")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="longest wait for the next "
+                                                               "chunk of a request's body "
+                                                               "(408 past it)")
     lease_s: float = Field(30.0, gt=0, description="how long a batch being validated or "
                                                    "finalized stays with the process doing it "
                                                    "if that process dies")
