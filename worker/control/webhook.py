@@ -5,8 +5,10 @@
   loopback, private, link-local, multicast, reserved or unspecified) unless it lies in
   ``webhook_allow_networks``. The connection goes to that resolved address (the ``Host``
   header and TLS name stay the URL's), so DNS cannot change the answer in between.
-* **How long.** ``timeout_s`` bounds the whole attempt, connect to last byte: a receiver that
-  trickles its answer is cut off then. Redirects are not followed (a 3xx is a failed attempt).
+* **How long.** ``timeout_s`` bounds the whole attempt, DNS resolution to last byte: a
+  resolver that hangs, or a receiver that trickles its answer, is cut off then (the lookup
+  runs in a daemon thread that is left behind: ``getaddrinfo`` cannot be interrupted).
+  Redirects are not followed (a 3xx is a failed attempt).
 * **Who.** With a secret, ``X-Kvbatch-Signature: t=<unix time>,v1=<hex HMAC-SHA256 of
   "<t>.<body>">``: the receiver recomputes it and refuses old timestamps, so a captured event
   cannot be replayed later. Without a secret nothing is sent unless unsigned webhooks are
@@ -45,15 +47,15 @@ class WebhookRefused(ValueError):
 
 
 def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: float,
-               allow: Sequence[IPNetwork] = (), allow_unsigned: bool = False) -> str | None:
-    """POST ``event`` as JSON to ``url``; None on a 2xx answer, else why the attempt failed."""
+               allow: Sequence[IPNetwork] = (), allow_unsigned: bool = False,
+               lookup: Callable[..., list[Any]] | None = None) -> str | None:
+    """POST ``event`` as JSON to ``url``; None on a 2xx answer, else why the attempt failed.
+    ``timeout_s`` bounds the whole attempt, resolving ``url``'s host with ``lookup`` (as
+    :func:`resolve`) included."""
     if not secret and not allow_unsigned:
         return ("refused: webhooks are signed; set KVBATCH_WEBHOOK_SECRET (or "
                 "KVBATCH_WEBHOOK_ALLOW_UNSIGNED=true)")
-    try:
-        target = resolve(url, allow)
-    except WebhookRefused as exc:
-        return f"refused: {exc}"
+    deadline = time.monotonic() + timeout_s
     body = json.dumps(event, sort_keys=True).encode()
     headers = {
         "Content-Type": "application/json",
@@ -64,7 +66,10 @@ def post_event(url: str, event: dict[str, Any], secret: str | None, timeout_s: f
     if secret:
         headers["X-Kvbatch-Signature"] = sign(secret, body, int(time.time()))
     try:
-        status = _post(target, body, headers, timeout_s)
+        target = _resolve_by(url, allow, lookup, deadline)
+        status = _post(target, body, headers, deadline)
+    except WebhookRefused as exc:
+        return f"refused: {exc}"
     except Exception as exc:  # refused, reset, TLS, cut off at the deadline: a failed attempt
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if 300 <= status < 400:
@@ -110,6 +115,26 @@ def resolve(url: str, allow: Sequence[IPNetwork] = (),
     return Target(parts.scheme, host, port, path, addresses[0])
 
 
+def _resolve_by(url: str, allow: Sequence[IPNetwork], lookup: Callable[..., list[Any]] | None,
+                deadline: float) -> Target:
+    answer: list[Target | Exception] = []
+
+    def run() -> None:
+        try:
+            answer.append(resolve(url, allow, lookup))
+        except Exception as exc:  # raised here, in the attempt's thread
+            answer.append(exc)
+
+    thread = threading.Thread(target=run, name="webhook-resolve", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if not answer:
+        raise TimeoutError(f"{urlsplit(url).hostname!r} was not resolved by the deadline")
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
 # Not reachable by webhooks, whatever ``is_global`` says on this Python (3.11 calls NAT64,
 # 6to4 and site-local addresses global).
 _DENIED = tuple(ipaddress.ip_network(n) for n in (
@@ -149,16 +174,15 @@ def _embedded_ipv4(ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
     return found
 
 
-def _post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float) -> int:
+def _post(target: Target, body: bytes, headers: dict[str, str], deadline: float) -> int:
     conn: http.client.HTTPConnection
-    deadline = time.monotonic() + timeout_s
     if target.scheme == "https":
         conn = _PinnedHTTPS(target, deadline)
     else:
         conn = _PinnedHTTP(target, deadline)
     # The deadline of the whole attempt: socket timeouts bound each read, not their sum.
     cut = threading.Event()
-    watchdog = threading.Timer(timeout_s, _cut, args=(conn, cut))
+    watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _cut, args=(conn, cut))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -168,7 +192,7 @@ def _post(target: Target, body: bytes, headers: dict[str, str], timeout_s: float
         return response.status
     except Exception as exc:  # whatever the cut-off read raised (reset, a half status line)
         if cut.is_set():
-            raise TimeoutError(f"no complete answer within {timeout_s:g} s") from exc
+            raise TimeoutError("no complete answer by the deadline") from exc
         raise
     finally:
         watchdog.cancel()
