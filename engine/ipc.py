@@ -4,6 +4,7 @@ msgspec, never pickle."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("!I")
 READ_CHUNK = 1 << 20
+# A message's most bytes. A longer declared length is a broken or hostile peer: its message is
+# refused when its length arrives, not buffered until memory runs out.
+MAX_FRAME_BYTES = 1 << 30
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -51,16 +55,27 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def pack(payload: bytes) -> bytes:
-    """One message as sent: its length (4 bytes, big-endian), then its payload."""
+    """One message as sent: its length (4 bytes, big-endian), then its payload.
+
+    Raises:
+        ValueError: ``payload`` is over :data:`MAX_FRAME_BYTES` (the other side would refuse it).
+    """
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ValueError(f"a message of {len(payload)} bytes is over MAX_FRAME_BYTES "
+                         f"({MAX_FRAME_BYTES})")
     return _LENGTH.pack(len(payload)) + payload
 
 
 class Frames:
     """Message payloads read from a socket: :meth:`read` returns the complete ones that
-    arrived."""
+    arrived. A message declared longer than ``max_frame_bytes`` closes the connection (logged
+    with its length): the messages before it are returned, then the connection reads as closed
+    to both sides."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self.refused = False  # a message over the bound came: nothing more is read
         self._buffer = bytearray()
         self._ready = selectors.DefaultSelector()  # not select(): fds past 1024 are fine
         self._ready.register(sock, selectors.EVENT_READ)
@@ -68,7 +83,7 @@ class Frames:
     def read(self, timeout_s: float | None) -> list[bytes] | None:
         """Wait up to ``timeout_s`` (None: until a message) for messages; None once the other
         side has closed."""
-        while True:
+        while not self.refused:
             if self._ready.select(timeout_s):
                 try:
                     chunk = self.sock.recv(READ_CHUNK)
@@ -78,14 +93,18 @@ class Frames:
                     return None
                 self._buffer += chunk
             messages = self._split()
-            if messages or timeout_s is not None:
+            if messages or (timeout_s is not None and not self.refused):
                 return messages
+        return None
 
     def _split(self) -> list[bytes]:
         messages, at = [], 0
         buf = self._buffer
         while len(buf) - at >= _LENGTH.size:
             (size,) = _LENGTH.unpack_from(buf, at)
+            if size > self.max_frame_bytes:
+                self._refuse(size)
+                break
             if len(buf) - at - _LENGTH.size < size:
                 break
             start = at + _LENGTH.size
@@ -93,3 +112,11 @@ class Frames:
             at = start + size
         del buf[:at]
         return messages
+
+    def _refuse(self, size: int) -> None:
+        log.error("closing the connection: a message of %d bytes is declared, over "
+                  "MAX_FRAME_BYTES (%d)", size, self.max_frame_bytes)
+        self.refused = True
+        self._buffer.clear()
+        with contextlib.suppress(OSError):  # already closed
+            self.sock.shutdown(socket.SHUT_RDWR)  # the other side reads it closed too
