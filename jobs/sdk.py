@@ -151,11 +151,11 @@ class BatchHandle:
     """A submitted batch: live counts, results in completion order, cancel."""
 
     def __init__(self, jobs: JobClient, batch_id: str,
-                 job_ids: Mapping[str, str] | None = None,
+                 job_ids: dict[str, str] | None = None,
                  submitted: Mapping[str, str] | None = None) -> None:
         self.jobs = jobs
         self.id = batch_id
-        self._job_ids = dict(job_ids) if job_ids is not None else None
+        self._job_ids = job_ids  # kept, not copied: a large batch's would weigh as much again
         # custom_id -> job id of the rows the submission that made this handle named
         self.submitted: Mapping[str, str] = submitted if submitted is not None else {}
 
@@ -363,8 +363,11 @@ class Client:
                 or (deadline is not None and deadline != current[1])):
             raise ValueError(f"batch {batch_id!r} exists: its webhook and deadline were set by "
                              "its first submission and cannot be changed by another")
+        # The custom_ids of the chunks before, each once in the batch: in job_ids if stored
+        # (or already held), else in refused_ids (few). No third copy: a million rows' ids
+        # take ~100 MB a mapping.
         job_ids: dict[str, str] = {}
-        seen: set[str] = set()  # custom_ids of the chunks before: each once in the batch
+        refused_ids: set[str] = set()
         it, read = iter(rows), 0
         with self.jobs.store_behind():  # a chunk is checked while the one before is stored
             while chunk := list(itertools.islice(it, chunk_size)):
@@ -372,17 +375,18 @@ class Client:
                     chunk, start=read, batch_id=batch_id, model=model,
                     system_prompt=system_prompt, priority=priority, deadline=deadline,
                     rejected=rejected, defaults=defaults)
-                dup = next((c for c in itertools.chain(valid, refused) if c in seen), None)
+                dup = next((c for c in itertools.chain(valid, refused)
+                            if c in job_ids or c in refused_ids), None)
                 if dup is not None:
                     raise ValueError(f"custom_id {quote(dup)} appears more than once in batch "
                                      f"{batch_id!r}")
-                seen.update(valid, refused)
                 read += len(chunk)
                 over_limit: dict[str, str] | None = None if rejected is None else {}
                 job_ids |= self.jobs.submit_batch(batch_id, specs, chunk_size,
                                                   webhook_url=webhook_url, deadline=deadline,
                                                   over_limit=over_limit,
                                                   new_rows=new_rows or current is None)
+                refused_ids.update(refused, over_limit or ())
                 if rejected is not None:
                     rejected |= refused
                     rejected |= {c: replace(valid[c], error=e)

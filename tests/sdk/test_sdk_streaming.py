@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from jobs import Client
+from jobs.rows import Row
 from jobs.schemas import JobSpec, JobStatus
 
 
@@ -56,6 +57,17 @@ def test_a_custom_id_repeated_in_a_later_chunk_is_refused(client: Client) -> Non
                                 batch_id="twice", chunk_size=2)
     assert sorted(batch.job_ids) == ["a", "b", "c", "d"]
     assert sum(client.jobs.count_by_status(batch_id="twice").values()) == 4
+
+
+def test_a_refused_row_repeated_in_a_later_chunk_is_refused_too(client: Client) -> None:
+    rows = iter([{"custom_id": "a", "prompt": "hi", "temperature": -1.0},
+                 {"custom_id": "b", "prompt": "hi"}, {"custom_id": "a", "prompt": "hi"}])
+    rejected: dict[str, Row] = {}
+    with pytest.raises(ValueError, match="custom_id 'a' appears more than once"):
+        client.submit_batch(rows, batch_id="refused-twice", chunk_size=2,
+                            rejected=rejected)
+    assert list(rejected) == ["a"]
+    assert client.jobs.count_by_status(batch_id="refused-twice") == {JobStatus.QUEUED: 1}
 
 
 def _transient_peak_bytes(client: Client, n: int) -> int:
