@@ -160,7 +160,7 @@ class JobSpec(_Strict):
             user message (as ``messages=[{"role": "user", "content": prompt}]``), else it is
             the raw text.
         raw_prompt: text given to the model as it is, never templated (completions).
-        messages: chat messages, rendered with the model's chat template.
+        messages: chat messages (one at least), rendered with the model's chat template.
         embed: texts to embed instead of a prompt to continue (an embedding job, which takes
             no ``sampling``).
             A job has exactly one of ``prompt``, ``raw_prompt``, ``messages`` and ``embed``.
@@ -177,7 +177,7 @@ class JobSpec(_Strict):
     model: str = Field(pattern=MODEL_NAME_PATTERN)
     prompt: str | None = None
     raw_prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     embed: EmbeddingInput | None = None
     sampling: SamplingParams = SamplingParams()
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)  # the SQL column is a 32-bit integer

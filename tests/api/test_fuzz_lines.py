@@ -3,21 +3,25 @@ one field replaced by any JSON value, nested lists and objects, unicode, huge nu
 schemas and regexes; or a line that is not JSON at all), each goes to a real ``kvbatch serve``
 as its own batch, and a healthy batch goes beside them. Every batch must end with a reason (a
 failed batch names its lines' errors, a completed one accounts for its row in its output or
-error file), the server must stay up and healthy, and the healthy batch must complete."""
+error file), the server must stay up and healthy, and the healthy batch must complete.
+``KVBATCH_SOAK=1`` tries 10x more lines; ``-s`` prints how the lines ended (docs/reliability.md
+quotes a run)."""
 
 from __future__ import annotations
 
 import json
 import urllib.request
+from collections import Counter
 from typing import Any
 
 import openai
 from api_server import ApiServer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from services import SOAK
 from test_openai_api import chat_row, jsonl, lines_of, upload, wait_batch
 
-EXAMPLES = 30  # a few seconds of generation; the batches then run on the tiny model
+EXAMPLES = 300 if SOAK else 30  # CI: ~20 s, the batches on the tiny model included
 FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
           "logprobs", "top_logprobs", "response_format", "metadata", "priority", "prompt")
 
@@ -74,13 +78,15 @@ def lines(draw: st.DrawFn) -> str:
     return json.dumps(row, ensure_ascii=draw(st.booleans()))
 
 
-def _has_a_reason(client: openai.OpenAI, batch_id: str) -> None:
+def _has_a_reason(client: openai.OpenAI, batch_id: str) -> str:
+    """How the batch ended, once checked: ``failed: <first error's code>``, ``completed: ran``
+    or ``completed: row failed``."""
     done = wait_batch(client, batch_id, timeout_s=180)
     assert done.status in {"completed", "failed"}, done
     if done.status == "failed":
         assert done.errors is not None and done.errors.data, done
         assert all(e.message for e in done.errors.data), done.errors
-        return
+        return f"failed: {done.errors.data[0].code}"
     counts = done.request_counts
     assert counts is not None and counts.total == 1 == counts.completed + counts.failed, done
     file_id = done.output_file_id if counts.completed else done.error_file_id
@@ -90,6 +96,8 @@ def _has_a_reason(client: openai.OpenAI, batch_id: str) -> None:
     assert isinstance(line["custom_id"], str) and line["custom_id"], line
     if counts.failed:
         assert line["response"]["body"]["error"]["message"], line
+        return "completed: row failed"
+    return "completed: ran"
 
 
 def test_fuzzed_lines_all_end_with_a_reason_and_a_healthy_batch_completes(
@@ -101,6 +109,8 @@ def test_fuzzed_lines_all_end_with_a_reason_and_a_healthy_batch_completes(
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(lines())
+    # found by this fuzzer: an empty chat passed validation, then crashed routing on every try
+    @example(json.dumps(chat_row("fuzz", messages=[])))
     def submit(line: str) -> None:
         file_id = upload(client, line.encode() + b"\n")  # a 4xx here raises: none is expected
         batch_ids.append(client.batches.create(input_file_id=file_id,
@@ -111,8 +121,8 @@ def test_fuzzed_lines_all_end_with_a_reason_and_a_healthy_batch_completes(
     healthy = client.batches.create(
         input_file_id=upload(client, jsonl([chat_row(f"ok-{i}") for i in range(3)])),
         endpoint="/v1/chat/completions", completion_window="24h")
-    for batch_id in batch_ids:
-        _has_a_reason(client, batch_id)
+    ended = Counter(_has_a_reason(client, batch_id) for batch_id in batch_ids)
+    print(f"{len(batch_ids)} fuzzed lines ended:", dict(ended.most_common()))
     done = wait_batch(client, healthy.id)
     assert done.status == "completed" and done.output_file_id, done
     assert sorted(x["custom_id"] for x in lines_of(client, done.output_file_id)) == [
