@@ -15,11 +15,15 @@ from collections import Counter
 from typing import Any
 
 import openai
+import pytest
 from api_server import ApiServer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 from services import SOAK
 from test_openai_api import chat_row, jsonl, lines_of, upload, wait_batch
+
+from jobs.schemas import JobSpec
 
 EXAMPLES = 300 if SOAK else 30  # CI: ~20 s, the batches on the tiny model included
 FIELDS = ("model", "messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
@@ -130,3 +134,8 @@ def test_fuzzed_lines_all_end_with_a_reason_and_a_healthy_batch_completes(
     assert server.proc is not None and server.proc.poll() is None
     with urllib.request.urlopen(f"{server.url}/health", timeout=5) as health:
         assert health.status == 200
+
+
+def test_the_empty_chat_the_fuzzer_found_is_refused_naming_messages() -> None:
+    with pytest.raises(ValidationError, match=r"messages\n  List should have at least 1 item"):
+        JobSpec(model="tiny", messages=[])
