@@ -29,7 +29,9 @@ def test_a_hanging_resolver_fails_the_attempt_as_a_timeout_within_the_deadline()
     started = time.monotonic()
     error = post_event(URL, EVENT, "s", 0.5, allow=ALLOW, lookup=slow_lookup(5.0))
     assert error == "TimeoutError: 'hooks.example.test' was not resolved by the deadline"
-    assert 0.45 < time.monotonic() - started < 1.0
+    # Not before the deadline; well before the resolver's 5 s (a ceiling a loaded machine
+    # does not reach, only an attempt that waits for the resolver).
+    assert 0.45 < time.monotonic() - started < 4.0
 
 
 def test_the_post_gets_what_resolving_left_of_the_deadline(
@@ -41,9 +43,10 @@ def test_the_post_gets_what_resolving_left_of_the_deadline(
         return 204
 
     monkeypatch.setattr(webhook, "_post", post)
-    assert post_event(URL, EVENT, "s", 1.0, allow=ALLOW, lookup=slow_lookup(0.6)) is None
+    assert post_event(URL, EVENT, "s", 2.0, allow=ALLOW, lookup=slow_lookup(0.6)) is None
     [(address, left_s)] = posted
-    assert address == "127.0.0.2" and 0.2 < left_s < 0.41
+    # What the 0.6 s lookup left (~1.4 s), not the whole 2 s: the clock started before it.
+    assert address == "127.0.0.2" and 0 < left_s < 1.45
 
 
 @pytest.mark.parametrize(("raised", "error"), [
