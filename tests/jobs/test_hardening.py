@@ -148,3 +148,31 @@ def test_a_schema_too_deep_for_the_worker_fails_alone(redis_client: redis.Redis,
     assert "nested more than 64 levels" in infos[deep.id].error
     assert infos[fine.id].status is JobStatus.SUCCEEDED
     assert running.thread.is_alive() and running.rc is None
+
+
+def test_schema_bombs_sent_past_the_sdk_fail_fast_beside_healthy_jobs(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker) -> None:  # type: ignore[no-untyped-def]
+    """A 1,500-property nested-repeat schema and a 150-deep one (each refused at submission)
+    put straight on the stream, then 30 healthy jobs: the bombs end failed with their reasons
+    when decoded, before any compile, and the healthy jobs all succeed on the same worker."""
+    client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+    wide = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": "((a{31}){31}){31}"} for i in range(1500)}}
+    deep: dict = {"type": "string"}
+    for _ in range(150):
+        deep = {"type": "object", "properties": {"a": deep}}
+    bombs = [_job(900 + i) for i in range(2)]
+    for bomb, schema in zip(bombs, (wide, deep), strict=True):
+        _inject(redis_client, keys, client, bomb, sampling={
+            "max_tokens": 6, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}}})
+    healthy = [_job(i) for i in range(30)]
+    ids = client.submit(healthy)
+    running = start_worker(max_model_len=256)
+    infos = {i.id: i for i in client.wait([*ids, *(b.id for b in bombs)], timeout_s=120)}
+    assert "MAX_SCHEMA_PROPERTIES" in infos[bombs[0].id].error
+    assert infos[bombs[1].id].status is JobStatus.FAILED and "malformed job message" in (
+        infos[bombs[1].id].error)  # past the depth limit, or the JSON parser's own
+    assert all(infos[i].status is JobStatus.SUCCEEDED for i in ids)
+    assert infos[bombs[0].id].status is JobStatus.FAILED
+    assert running.thread.is_alive() and running.rc is None
