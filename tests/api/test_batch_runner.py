@@ -66,6 +66,17 @@ def _die() -> None:
     raise Crash("the process died")
 
 
+def _advance_until(runner: BatchRunner, owner: str, batch_id: str, status: str) -> None:
+    """Advance the batch (as the runner's loop does) until OpenAI's view of it is ``status``."""
+    def reached() -> bool:
+        row = runner.records.get(ApiBatch, owner, batch_id)
+        assert row is not None
+        runner.advance(row)
+        return openai_status(runner.records.get(ApiBatch, owner, batch_id)) == status  # type: ignore[arg-type]
+
+    wait_until(reached, 10, 0.2, what=f"the batch {status}")
+
+
 def _write_input(runner: BatchRunner, owner: str, rows: int, extra: bytes = b"") -> None:
     upload = runner.storage.begin("file-input")
     for i in range(rows):
@@ -140,9 +151,7 @@ def test_cancel_while_rows_are_stored_leaves_none_to_run(services: dict[str, str
     assert row is not None and openai_status(row) == "cancelling"
     # the chunk that was being read when the cancel came was stored after it: it is cancelled
     # too before the batch ends
-    wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               or openai_status(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               == "cancelled", 10, 0.2, what="the batch cancelled")
+    _advance_until(runner, owner, batch.id, "cancelled")
     jobs = runner.client.batch_jobs(batch.id)
     assert len(jobs) == 2 * CHUNK_ROWS
     assert {status.value for _, _, status in jobs} == {"cancelled"}
@@ -182,9 +191,7 @@ def test_a_batch_past_its_window_ends_expired_with_an_error_file(services: dict[
             key = "batch_id" if table == "jobs" else "id"
             conn.exec_driver_sql(f"UPDATE {table} SET {column} = {column} - interval '2 hours' "
                                  f"WHERE {key} = %(b)s", {"b": batch.id})
-    wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               or openai_status(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               == "expired", 10, 0.2, what="the batch expired")
+    _advance_until(runner, owner, batch.id, "expired")
     row = runner.records.get(ApiBatch, owner, batch.id)
     assert row is not None and row.files_at is not None and row.output_file_id is None
     assert row.error_file_id is not None

@@ -13,7 +13,7 @@ from typing import BinaryIO
 import pytest
 from services import wait_until
 from sqlalchemy import Engine
-from test_batch_runner import _runner, _write_input
+from test_batch_runner import _advance_until, _runner, _write_input
 from test_openai_api import chat_row, jsonl, lines_of, upload, wait_batch
 
 from jobs.api.batches import Phase
@@ -124,9 +124,7 @@ def test_a_validating_batch_past_its_window_expires(services: dict[str, str], en
     with engine.begin() as conn:
         conn.exec_driver_sql("UPDATE batches SET deadline_at = deadline_at - interval '2 hours' "
                              "WHERE id = %(b)s", {"b": batch.id})
-    wait_until(lambda: runner.advance(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               or openai_status(runner.records.get(ApiBatch, owner, batch.id))  # type: ignore[arg-type]
-               == "expired", 10, 0.2, what="the batch expired")
+    _advance_until(runner, owner, batch.id, "expired")
     row = runner.records.get(ApiBatch, owner, batch.id)
     assert row is not None and row.files_at is not None  # ended: nothing to write
     assert row.output_file_id is None and row.error_file_id is None
