@@ -71,6 +71,12 @@ class EngineConfig:
         "captured when first needed (outputs are the same either way)")
     attention_backend: str = _field(
         "auto", "auto (Triton on CUDA, cpu elsewhere), torch, cpu or triton")
+    batch_invariant: bool = _field(
+        False, "make each job's tokens independent of what else shares its steps (as vLLM's "
+        "VLLM_BATCH_INVARIANT), bf16 included, so a re-run dataset reproduces row for row: "
+        "every linear and attention row is reduced in one fixed order whatever the batch "
+        "(kernels.batch_invariant), without cascade attention. Sampled jobs reproduce when "
+        "they carry a seed. Costs speed: see bench/batch_invariant.py")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
     grammar_compile_timeout_s: float = _field(
         30.0, "most seconds one response_format may take to compile (in a process beside the "
