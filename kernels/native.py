@@ -167,22 +167,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic
     (widened first: exact, and still far faster than torch's bf16 GEMM there).
     """
-    rows = x.shape[0]
-    if x.dim() == 2 and rows <= linear_max_rows(weight.dtype) and x.dtype in LINEAR_MAX_ROWS:
-        weight, x = weight.contiguous(), x.contiguous()
-        bf = None if bias is None else bias.to(torch.float32).contiguous()
-        out = x.new_empty(rows, weight.shape[0])
-        library("cpu_linear").linear_small(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
-            int(weight.dtype == torch.bfloat16), None if bf is None else bf.data_ptr(),
-            out.data_ptr(), int(out.dtype == torch.bfloat16), rows, weight.shape[0],
-            weight.shape[1], torch.get_num_threads(),
-        )
-        return out
+    if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
+            x.dtype in LINEAR_MAX_ROWS):
+        return linear_rows(x, weight, bias)
     if weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         widened = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), widened).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through the C kernel whatever the rows of ``x`` ([M, K],
+    float32 or bf16; ``weight`` [N, K] float32 or bf16), in ``x``'s dtype.
+
+    Each output is reduced in one order fixed by ``K`` alone (``cpu_linear.c``): a row's
+    result does not depend on ``M`` nor on the other rows, which ``kernels.batch_invariant``
+    relies on.
+    """
+    if x.dtype not in LINEAR_MAX_ROWS or weight.dtype not in LINEAR_MAX_ROWS:
+        raise TypeError(f"no C linear for {x.dtype} rows by {weight.dtype} weights")
+    weight, x = weight.contiguous(), x.contiguous()
+    bf = None if bias is None else bias.to(torch.float32).contiguous()
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    library("cpu_linear").linear_small(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
+        int(weight.dtype == torch.bfloat16), None if bf is None else bf.data_ptr(),
+        out.data_ptr(), int(out.dtype == torch.bfloat16), x.shape[0], weight.shape[0],
+        weight.shape[1], torch.get_num_threads(),
+    )
+    return out
 
 
 def _dtype_code(t: torch.Tensor) -> int:
@@ -295,11 +309,15 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [B], each >= 1
     scale: float,
     prefix: PrefixSeed | None = None,
+    split_kv: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # float32 out [B, H, D], lse [B, H]
     """Decode attention over the paged cache; float32 output and log-sum-exp per head.
 
     With ``prefix``, its rows start from the prefix's attention and read only the blocks
-    after it (cascade attention, merged exactly by the online softmax).
+    after it (cascade attention, merged exactly by the online softmax). With fewer rows than
+    threads the kernel cuts each row's blocks into runs merged after (split-K), so a row's
+    result depends on how many rows share the call; ``split_kv=False`` runs each row whole,
+    in one order whatever the batch.
     """
     if key_cache.dtype not in DTYPE_CODES:
         raise TypeError(f"no CPU decode kernel for a {key_cache.dtype} KV cache")
@@ -310,6 +328,7 @@ def paged_decode(
     query = query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    threads = torch.get_num_threads()  # the kernel splits rows' blocks when rows < threads
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
     lse = torch.empty(num_seqs, num_heads, dtype=torch.float32)
     seed_rows = seed_out = seed_lse = None
@@ -329,7 +348,7 @@ def paged_decode(
         DTYPE_CODES[key_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), lse.data_ptr(), ptr(seed_rows), prefix_blocks, ptr(seed_out),
-        ptr(seed_lse), torch.get_num_threads(),
+        ptr(seed_lse), threads if split_kv else max(1, min(threads, num_seqs)),
     )
     return out, lse
 
