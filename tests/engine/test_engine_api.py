@@ -136,6 +136,28 @@ def test_stop_strings_tokens_and_min_tokens(engine: LLMEngine) -> None:
     assert out.text == text[: text.index(stop)]
 
 
+@pytest.mark.parametrize("span", [(0, 2), (1, 11)], ids=["at-the-start", "ten-chars"])
+def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(
+    engine: LLMEngine, span: tuple[int, int]
+) -> None:
+    # A stop string in the first tokens, and one longer than the tokens it spans would
+    # suggest, are both seen in the step whose token completes them: the look-back window
+    # covers every stop string whatever its position and length.
+    prompt = list(range(40, 60))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    full = engine.generate([prompt], params)[0]
+    stop = full.text[span[0] : span[1]]
+    assert len(stop) == span[1] - span[0]
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True, stop=[stop]))[0]
+    decode = engine.tokenizer.decode
+    end = next(i for i in range(1, len(full.token_ids) + 1)
+               if stop in decode(full.token_ids[:i], skip_special_tokens=True))
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[:end]
+    assert out.text == full.text[: full.text.index(stop)]
+
+
 def test_logprobs_include_sampled_and_top_tokens(engine: LLMEngine) -> None:
     out = engine.generate([list(range(5, 25))], SamplingParams(temperature=0.0, max_tokens=5,
                                                                ignore_eos=True, logprobs=3))[0]
