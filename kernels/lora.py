@@ -1,0 +1,95 @@
+"""Batched LoRA: rows of one step each add their own adapter's low-rank product.
+
+Punica / S-LoRA style: every adapter resident on the device has a slot; a step gives each row
+(token) the slot of its sequence's adapter, -1 for the base model, and every adapted
+projection adds, row by row, ``(x @ A[slot].T) @ B[slot].T`` to its output (``B`` holds the
+adapter's scaling). A fused projection (q|k|v, gate|up) stacks its parts' ``A`` along the rank
+and places their ``B`` block-diagonally, so one shrink and one expand serve the whole of it.
+
+:func:`add_lora_reference` is the spec, row by row over stacked weights; :func:`add_lora`
+runs the CPU path (one pair of matmuls per adapter present in the step, on its rows) or, on
+CUDA, the Triton kernels of ``kernels.lora_triton`` (one program per row and output tile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# slot -> (A [r, in], B [out, r]) of the adapters that adapt a projection (None: it does not)
+SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    """Which adapter slot each row of a step uses; built once per step, read by every layer.
+
+    ``index``: ``[T]`` int32 on the device, the slot of each row, -1 for none.
+    ``segments``: for each slot present, its rows: a ``slice`` when they are contiguous (the
+    usual case: a sequence's rows are), else a ``[n]`` int64 index tensor.
+    """
+
+    index: torch.Tensor
+    segments: tuple[tuple[int, slice | torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
+        """The mapping of per-row ``slots`` (-1: no adapter); None when no row has one."""
+        present = np.unique(slots[slots >= 0])
+        if present.size == 0:
+            return None
+        segments: list[tuple[int, slice | torch.Tensor]] = []
+        for slot in present.tolist():
+            rows = np.flatnonzero(slots == slot)
+            lo, hi = int(rows[0]), int(rows[-1]) + 1
+            if hi - lo == rows.size:
+                segments.append((slot, slice(lo, hi)))
+            else:
+                segments.append((slot, torch.from_numpy(rows).to(device)))
+        index = torch.from_numpy(slots.astype(np.int32)).to(device)
+        return cls(index, tuple(segments))
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, weights: SlotWeights,
+             stacked: tuple[torch.Tensor, torch.Tensor] | None,
+             mapping: LoRAMapping) -> torch.Tensor:
+    """``y`` (``[T, out]``, a projection's output of ``x``: ``[T, in]``) plus each row's
+    adapter product, in place.
+
+    Args:
+        weights: per slot, ``(A [r, in], B [out, r])`` or None (the CPU path reads these).
+        stacked: ``A [S, R, in]`` and ``B [S, out, R]`` zero-padded to the largest rank, for
+            the Triton path (CUDA); None elsewhere.
+        mapping: the step's rows per slot.
+    """
+    if stacked is not None and x.is_cuda:
+        from kernels.lora_triton import add_lora_triton
+
+        return add_lora_triton(x, y, stacked[0], stacked[1], mapping.index)
+    for slot, rows in mapping.segments:
+        pair = weights[slot]
+        if pair is None:
+            continue
+        a, b = pair
+        if isinstance(rows, slice):
+            y[rows] += F.linear(F.linear(x[rows], a), b)
+        else:
+            y.index_add_(0, rows, F.linear(F.linear(x[rows], a), b))
+    return y
+
+
+def add_lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       index: torch.Tensor) -> torch.Tensor:
+    """The spec: ``y[t] += B[s] @ (A[s] @ x[t])`` for every row ``t`` whose slot ``s =
+    index[t]`` is not -1, accumulated in float32. ``a``: ``[S, R, in]``, ``b``:
+    ``[S, out, R]``; returns a new tensor."""
+    out = y.clone()
+    for t, s in enumerate(index.tolist()):
+        if s < 0:
+            continue
+        shrunk = a[s].float() @ x[t].float()  # [R]
+        out[t] = (y[t].float() + b[s].float() @ shrunk).to(y.dtype)
+    return out
