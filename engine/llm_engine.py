@@ -58,7 +58,10 @@ class LLMEngine:
         max_model_len = _max_model_len(config, hf_config)
 
         # One backend object for the model's layers and the runner.
-        backend = get_ops(resolve_backend(config.attention_backend, device))
+        if config.batch_invariant and device.type == "cpu" and dtype == torch.float16:
+            raise ValueError("batch_invariant on the CPU takes float32 or bfloat16, not float16")
+        backend = get_ops(resolve_backend(config.attention_backend, device),
+                          config.batch_invariant)
         torch.manual_seed(config.seed)
         model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
         model.load_weights(loader.iter_safetensors(model_dir))  # a shard at a time

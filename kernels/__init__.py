@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import reference
 
@@ -35,6 +36,7 @@ class Backend:
       share their first blocks (``kernels.cascade.shared_prefix``), and reads those blocks once.
     - ``fused``: the fused C layer ops of ``kernels.native`` (``rms_norm``, ``rotary_``,
       ``silu_mul``) come with it, and greedy sampling takes the C ``argmax``.
+    - ``linear``: what the model's linear layers call, with ``F.linear``'s signature.
     """
 
     name: str
@@ -43,6 +45,7 @@ class Backend:
     prefill: Callable[..., torch.Tensor]
     cascade: bool = False
     fused: bool = False
+    linear: Callable[..., torch.Tensor] = F.linear
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -55,8 +58,18 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     return choice
 
 
-def get_ops(backend: str) -> Backend:
-    """The ``Backend`` of a resolved backend name (``torch``, ``cpu`` or ``triton``)."""
+def get_ops(backend: str, batch_invariant: bool = False) -> Backend:
+    """The ``Backend`` of a resolved backend name (``torch``, ``cpu`` or ``triton``); with
+    ``batch_invariant``, its batch-invariant variant (``kernels.batch_invariant``)."""
+    ops = _ops(backend)
+    if not batch_invariant:
+        return ops
+    from kernels.batch_invariant import invariant_ops
+
+    return invariant_ops(ops)
+
+
+def _ops(backend: str) -> Backend:
     if backend == "torch":
         return Backend(
             name="torch",
@@ -65,7 +78,7 @@ def get_ops(backend: str) -> Backend:
             prefill=reference.paged_attention_prefill,
         )
     if backend == "cpu":
-        from kernels import cpu
+        from kernels import cpu, native
 
         return Backend(
             name="cpu",
@@ -74,6 +87,7 @@ def get_ops(backend: str) -> Backend:
             prefill=cpu.paged_attention_prefill,
             cascade=True,
             fused=True,
+            linear=native.linear,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).

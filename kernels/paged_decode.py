@@ -428,6 +428,7 @@ def paged_attention_decode(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new token
     scale: float,
     prefix: tuple[torch.Tensor, int] | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Attention of one new token per sequence over its whole paged context.
 
@@ -444,9 +445,12 @@ def paged_attention_decode(
             tables start with the same ``num_blocks`` blocks, each row's ``seq_len`` past them
             (``kernels.cascade.shared_prefix``). Those blocks are then read once for all the
             rows (cascade) when ``kernels.cascade.runs_cascade`` says so.
+        num_splits: partitions of each row's context (split-K); by default as many as fill
+            the SMs, which depends on the number of rows and the longest context. 1 reads each
+            row whole in one order whatever the batch (the batch-invariant mode).
 
     Returns:
         The attention output, in the query's dtype (accumulated in fp32).
     """
     return _launch_paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                prefix=prefix)
+                                num_splits=num_splits, prefix=prefix)

@@ -4,16 +4,18 @@ Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, R
 from transformers' own init functions) so that greedy outputs match it token for token. With a
 ``fused`` backend (the CPU one), the elementwise work between the matmuls (residual add +
 RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
-transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers then go
-through ``kernels.native.linear``: a C kernel for the few rows of a decode step (the weights
-read once, bf16 ones widened as read or multiplied as pairs), torch's GEMM for more; and a
-decode step of that few rows runs all its layers in one C call
-(``kernels.native.DecodeLayers``), the same kernels in the same order.
+transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers call the
+backend's ``linear``: on the CPU ``kernels.native.linear``, a C kernel for the few rows of a
+decode step (the weights read once, bf16 ones widened as read or multiplied as pairs), torch's
+GEMM for more; and a decode step of that few rows runs all its layers in one C call
+(``kernels.native.DecodeLayers``), the same kernels in the same order. In the batch-invariant
+mode the backend's linear and attention reduce each row in one order whatever the batch
+(``kernels.batch_invariant``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -54,20 +56,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype), x
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            fused: bool) -> torch.Tensor:
-    return native.linear(x, weight, bias) if fused else F.linear(x, weight, bias)
-
-
 class Linear(nn.Linear):
-    """``nn.Linear``; on a ``fused`` backend (the CPU one) through ``kernels.native.linear``."""
+    """``nn.Linear`` through ``op``, the backend's ``linear`` (``F.linear``'s signature)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, fused: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 op: Callable[..., torch.Tensor]) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.fused = fused
+        self.op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.bias, self.fused)
+        return self.op(x, self.weight, self.bias)
 
 
 class Rotary(nn.Module):
@@ -124,8 +122,8 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         self.qk_size = q_size + kv_size
         self.fused = backend.fused
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, self.fused)
-        self.o_proj = Linear(q_size, config.hidden_size, False, self.fused)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, backend.linear)
+        self.o_proj = Linear(q_size, config.hidden_size, False, backend.linear)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         # Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
         self.q_norm: RMSNorm | None = None
@@ -156,12 +154,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, fused: bool) -> None:
+    def __init__(self, config: PretrainedConfig, backend: Backend) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False, fused)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, fused)
-        self.fused = fused
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False,
+                                   backend.linear)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False,
+                                backend.linear)
+        self.fused = backend.fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -178,7 +178,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, fused)
         self.self_attn = Attention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, fused)
-        self.mlp = MLP(config, fused)
+        self.mlp = MLP(config, backend)
 
     def forward(
         self,
@@ -222,9 +222,10 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.fused)
         self.fused = backend.fused
+        self.linear = backend.linear
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, self.fused)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.linear)
         self._decode_layers: native.DecodeLayers | None = None  # built on first use
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -300,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab], model dtype
         if not self.tie_word_embeddings:
             return self.lm_head(hidden)
-        return _linear(hidden, self.embed_tokens.weight, None, self.fused)
+        return self.linear(hidden, self.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...)."""
