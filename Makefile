@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the local wheel; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,datasets]'
 	# Hugging Face's `kernels` shares its import name with kernels/ (transformers imports it when
 	# installed); a venv that had transformers 5.25 has it.
 	$(PY) -m pip uninstall -q -y kernels 2>/dev/null || true

@@ -46,6 +46,8 @@ Prompt = str | list[dict[str, Any]]  # a user message's text, or chat messages
 Format = type[BaseModel] | Mapping[str, Any]  # a pydantic model or a JSON Schema
 
 NAME_PATTERN = r"[A-Za-z0-9_-]{1,40}"
+# A stage's name is a field of its rows: never one of the output's lineage columns (``_key``…)
+STAGE_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}"
 KEY_CHARS = 32  # hex digits of a row key (128 bits)
 
 
@@ -186,8 +188,9 @@ class Pipeline:
             pydantic.ValidationError: a sampling field that does not exist or is out of range
                 (the message names it), or a format that is not a valid JSON Schema.
         """
-        if not re.fullmatch(NAME_PATTERN, name) or any(s.name == name for s in self.stages):
-            raise ValueError(f"stage name {name!r} must match {NAME_PATTERN} and be new "
+        if not re.fullmatch(STAGE_NAME_PATTERN, name) or any(s.name == name
+                                                             for s in self.stages):
+            raise ValueError(f"stage name {name!r} must match {STAGE_NAME_PATTERN} and be new "
                              "in the pipeline")
         if isinstance(source, Stage) and source not in self.stages:
             raise ValueError(f"stage {name!r}: its source {source.name!r} is not a stage of "
@@ -217,14 +220,23 @@ class Pipeline:
 
         Args:
             client: the SDK client the jobs go through.
-            output: a JSONL file of the rows out of the last stages (those no stage reads),
-                each with its ``_lineage`` (stage -> row key), written as they are done.
-            errors: a JSONL file of the rows that failed (stage, key, error, input row).
+            output: a file of the rows out of the last stages (those no stage reads), each
+                with its lineage columns (``_stage``, ``_key``, ``_parent``, ``_lineage``):
+                Parquet when the name ends in ``.parquet`` (written when the run ends), else
+                JSONL (written as rows are done). :meth:`PipelineResult.dataset` gives the
+                same as a ``datasets.Dataset``.
+            errors: a file of the rows that failed (stage, key, lineage, error, input row),
+                Parquet or JSONL as ``output``.
             progress: per-stage progress bars on stderr (default: when it is a terminal).
             timeout_s: raise ``TimeoutError`` if the stages are not done by then.
 
         Returns:
             The output rows, the failed rows and a summary per stage.
+
+        Raises:
+            TimeoutError: ``timeout_s`` passed.
+            ValueError: a Parquet file asked for rows with a field whose values have no one
+                type (the stage's jobs are stored: run again with a JSONL output).
         """
         from jobs.pipeline_run import PipelineRun
 

@@ -13,21 +13,24 @@ interrupted, or finished) is not submitted again, and its stored result is used.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
+from typing import TYPE_CHECKING
 
 from pydantic_core import to_jsonable_python
 
 from jobs.follow import Follower
 from jobs.pipeline import Pipeline, RowDict, Stage, canonical
+from jobs.pipeline_output import RecordSink, open_sink, output_record, to_dataset
 from jobs.rows import Row
 from jobs.schemas import JobInfo, JobStatus
 from jobs.sdk import Client
+
+if TYPE_CHECKING:
+    import datasets
 
 
 @dataclass
@@ -51,11 +54,23 @@ class StageSummary:
 
 @dataclass
 class PipelineResult:
-    """The rows out of the last stages, the rows that failed, and each stage's summary."""
+    """The rows out of the last stages (``lineage[i]``: stage -> key of the rows ``rows[i]``
+    came from), the rows that failed, and each stage's summary."""
 
     rows: list[RowDict] = field(default_factory=list)
+    lineage: list[dict[str, str]] = field(default_factory=list)
     failed: list[RowDict] = field(default_factory=list)
     summary: dict[str, StageSummary] = field(default_factory=dict)
+
+    def records(self) -> list[RowDict]:
+        """The rows as the output file has them: JSON-able, with the lineage columns
+        (``_stage``, ``_key``, ``_parent``, ``_lineage``; :mod:`jobs.pipeline_output`)."""
+        return [output_record(row, lin) for row, lin in zip(self.rows, self.lineage,
+                                                            strict=True)]
+
+    def dataset(self) -> datasets.Dataset:
+        """The rows as a Hugging Face ``datasets.Dataset``, the columns of :meth:`records`."""
+        return to_dataset(self.records())
 
     def table(self) -> str:
         """The summary as a text table, a line per stage."""
@@ -98,18 +113,22 @@ class PipelineRun:
         self.bars = {s.name: tqdm(total=0, desc=s.name, unit="row", position=i, leave=True,
                                   file=sys.stderr, disable=not enabled, dynamic_ncols=True)
                      for i, s in enumerate(pipeline.stages)}
-        self.output: IO[str] | None = None
-        self.errors: IO[str] | None = None
+        self.output: RecordSink | None = None
+        self.errors: RecordSink | None = None
 
     def run(self, output: str | Path | None, errors: str | Path | None,
             timeout_s: float | None) -> PipelineResult:
         """Submit the first stages' rows, then follow every job to its end, feeding each
         done row to the stages it feeds (the arguments are ``Pipeline.run``'s)."""
+        finished = False
         with contextlib.ExitStack() as stack:
-            self.output = stack.enter_context(open(output, "w")) if output else None
-            self.errors = stack.enter_context(open(errors, "w")) if errors else None
             for bar in self.bars.values():
                 stack.callback(bar.close)
+            for name, path in (("output", output), ("errors", errors)):
+                if path is not None:
+                    sink = open_sink(path)
+                    setattr(self, name, sink)
+                    stack.callback(lambda sink=sink: sink.close(finished))
             jobs = self.client.jobs
             for stage in self.pipeline.stages:
                 if stage.source is None:
@@ -120,6 +139,7 @@ class PipelineRun:
                 for info in infos:
                     self._done(self.pending.pop(info.id), info)
                 self._flush()  # what they feed: a submission per stage and try
+            finished = True
         return self.result
 
     def _enter(self, stage: Stage, rows: Iterable[RowDict], lineage: dict[str, str],
@@ -209,7 +229,9 @@ class PipelineRun:
             self._enter(child, rows, lineage, task.key)
         if not fed:
             self.result.rows.append(row)
-            self._write(self.output, {**to_jsonable_python(row), "_lineage": lineage})
+            self.result.lineage.append(lineage)
+            if self.output is not None:
+                self.output.write(output_record(row, lineage))
 
     def _fail(self, task: _Task, error: str | None) -> None:
         self.result.summary[task.stage.name].failed += 1
@@ -217,10 +239,5 @@ class PipelineRun:
         failure = {"stage": task.stage.name, "key": task.key, "lineage": task.lineage,
                    "error": error, "row": to_jsonable_python(task.row)}
         self.result.failed.append(failure)
-        self._write(self.errors, failure)
-
-    @staticmethod
-    def _write(out: IO[str] | None, line: RowDict) -> None:
-        if out is not None:
-            out.write(json.dumps(line) + "\n")
-            out.flush()
+        if self.errors is not None:
+            self.errors.write(failure)

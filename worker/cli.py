@@ -130,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                "only what an earlier run did not")
     pipeline.add_argument("action", choices=["run"])
     pipeline.add_argument("file", help="a Python file defining a module-level `pipeline`")
-    pipeline.add_argument("-o", "--output", required=True, help="JSONL of the final rows")
-    pipeline.add_argument("-e", "--errors", help="JSONL of the rows that failed")
+    pipeline.add_argument("-o", "--output", required=True,
+                          help="the final rows: Parquet if it ends in .parquet, else JSONL")
+    pipeline.add_argument("-e", "--errors", help="the rows that failed, as -o")
     pipeline.add_argument("--model", default=DEFAULT_MODEL,
                           help="served model of the stages that name none")
     pipeline.add_argument("--no-progress", dest="progress", action="store_false",

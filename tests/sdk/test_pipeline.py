@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from datasets import Dataset
 from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
 from pydantic import ValidationError
 
 from jobs import Pipeline
 from jobs.constants import DEFAULT_MODEL
+from jobs.pipeline_output import ParquetSink, arrow_table
 from jobs.sdk import Client
 from worker.cli import main
 
@@ -38,9 +40,19 @@ def _jobs(client: Client, pipeline: str) -> dict[str, list[sa.Row]]:
     return by_stage
 
 
+def _sorted(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (r["topic"], r["question"]))
+
+
 def _lines(path: Path) -> list[dict]:
-    return sorted((json.loads(x) for x in path.read_text().splitlines()),
-                  key=lambda r: (r["topic"], r["question"]))
+    return _sorted([json.loads(x) for x in path.read_text().splitlines()])
+
+
+def _parquet(path: Path) -> list[dict]:
+    """The rows of a Parquet output as ``datasets`` loads them."""
+    loaded = Dataset.from_parquet(str(path), cache_dir=str(path.parent / "hf-cache"))
+    assert isinstance(loaded, Dataset)
+    return _sorted(list(loaded))
 
 
 def _texts(client: Client, rows: list[sa.Row]) -> list[str]:
@@ -110,10 +122,21 @@ def test_a_rerun_submits_nothing_and_a_changed_stage_reruns_alone(  # type: igno
     start_worker()
     first = build("qa", N).run(client, output=tmp_path / "1.jsonl", timeout_s=120)
     counts = _count(client, "qa")
-    again = build("qa", N).run(client, output=tmp_path / "2.jsonl", timeout_s=30)
+    again = build("qa", N).run(client, output=tmp_path / "2.parquet", timeout_s=30)
     assert _count(client, "qa") == counts  # nothing submitted again
-    assert _lines(tmp_path / "2.jsonl") == _lines(tmp_path / "1.jsonl") != []
+    # the same rows from the stored results, as Parquet that `datasets` opens, and in memory
+    lines = _lines(tmp_path / "1.jsonl")
+    assert _parquet(tmp_path / "2.parquet") == lines != []
+    assert _sorted(list(again.dataset())) == lines
+    assert again.dataset().features["judge"]["score"].dtype == "int64"  # a struct, not text
     assert again.summary == first.summary
+    # the lineage columns are the keys of each row's jobs in SQL
+    judge = {r.metadata["key"]: r.metadata["parent"] for r in _jobs(client, "qa")["judge"]}
+    answers = {r.metadata["key"]: r.metadata["parent"] for r in _jobs(client, "qa")["answers"]}
+    for line in lines:
+        assert line["_stage"] == "judge" and line["_lineage"]["judge"] == line["_key"]
+        assert judge[line["_key"]] == line["_parent"] == line["_lineage"]["answers"]
+        assert answers[line["_parent"]] == line["_lineage"]["questions"]
     # a new judge prompt: a new judge batch; the questions and answers are those stored
     changed = build("qa", N, judge=_other_judge)
     changed.run(client, output=tmp_path / "3.jsonl", timeout_s=120)
@@ -235,6 +258,21 @@ def test_the_command_says_in_one_line_what_is_wrong_with_the_file(  # type: igno
     assert not (tmp_path / "o.jsonl").exists()
 
 
+def test_parquet_columns_are_every_rows_fields_and_a_field_of_two_types_is_named(
+        tmp_path: Path) -> None:
+    table = arrow_table([{"a": 1, "r": {"x": 1}}, {"b": "t", "r": {"y": 2.5}}])
+    assert table.column_names == ["a", "r", "b"]
+    assert table.to_pylist() == [{"a": 1, "r": {"x": 1, "y": None}, "b": None},
+                                 {"a": None, "r": {"x": None, "y": 2.5}, "b": "t"}]
+    with pytest.raises(ValueError, match="field 'a' has values of no one type"):
+        arrow_table([{"a": 1}, {"a": "x"}])
+    assert arrow_table([]).column_names == ["_stage", "_key", "_parent"]
+    stopped = ParquetSink(tmp_path / "out.parquet")
+    stopped.write({"a": 1})
+    stopped.close(finished=False)  # a run that did not reach its end writes no file
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
     p = Pipeline("checks")
     first = p.stage("first", source=[], prompt=str)
@@ -244,6 +282,8 @@ def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
         p.stage("typo", source=first, prompt=str, temprature=0.5)
     with pytest.raises(ValueError, match="be new"):
         p.stage("first", source=first, prompt=str)
+    with pytest.raises(ValueError, match="must match"):  # it would be a lineage column
+        p.stage("_key", source=first, prompt=str)
     with pytest.raises(ValueError, match="not a stage of pipeline 'other'"):
         Pipeline("other").stage("second", source=first, prompt=str)
     with pytest.raises(ValueError, match="must match"):
