@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import Backend
+from kernels.lora import LoRAMapping
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class AttentionMetadata:
     # Decode rows sharing their first blocks, and how many (for cascade backends only; 0 when
     # this step's decodes run without cascade).
     decode_prefix: tuple[torch.Tensor, int] | None = None
+    # Each row's LoRA adapter slot (``kernels.lora``); None when no row of the step has one.
+    lora: LoRAMapping | None = None
 
 
 def softmax_scale(head_dim: int) -> float:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.lora_config import parse_lora_flags
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -84,6 +86,13 @@ class EngineConfig:
     grammar_compile_memory_bytes: int = _field(
         2 << 30, "most memory one response_format's compile may take; a format over it fails "
         "its job alone")
+    lora: tuple[str, ...] = _field(
+        (), "LoRA adapters served beside the base model, NAME=DIR each (PEFT's "
+        "adapter_config.json and adapter_model.safetensors; repeatable): a job names one as its "
+        "model, NAME or <served model>:NAME, and runs with it in the same steps as the others")
+    lora_memory_bytes: int = _field(
+        1 << 30, "device memory for resident LoRA adapters: past it the least recently used "
+        "adapter no running job holds is unloaded (and loaded again when a job needs it)")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -113,6 +122,9 @@ class EngineConfig:
         if self.grammar_compile_memory_bytes < 1:
             raise ValueError("grammar_compile_memory_bytes must be >= 1, "
                              f"got {self.grammar_compile_memory_bytes}")
+        parse_lora_flags(self.lora)
+        if self.lora_memory_bytes < 1:
+            raise ValueError(f"lora_memory_bytes must be >= 1, got {self.lora_memory_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not self.enable_chunked_prefill and self.max_model_len is not None and (

@@ -22,6 +22,12 @@ def hash_block(parent: bytes | None, token_ids: Seq[int], extra: bytes = b"") ->
     return h.digest()
 
 
+def _root(seq: Sequence) -> bytes | None:
+    # A LoRA adapter's blocks chain from their own root: its KV is never the base model's
+    # (or another adapter's) for the same tokens.
+    return None if seq.lora is None else hashlib.sha256(b"lora\0" + seq.lora.encode()).digest()
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -35,7 +41,8 @@ class KVCacheManager:
           tokens, and the block receiving the first new token has ref count 1 (copy-on-write
           if it was shared; the copy is queued in ``pending_copies`` for the runner);
         - ``seq.block_hashes[i]`` is the chain hash of tokens ``[0, (i+1)*B)`` (and the
-          sequence's cache salt); the first ``seq.num_cached_blocks`` blocks are registered;
+          sequence's cache salt and LoRA adapter); the first ``seq.num_cached_blocks``
+          blocks are registered;
         - only full blocks are registered, and a registered block is never written again.
 
     Swap preemption uses a second pool of ``num_host_blocks`` blocks in host memory
@@ -62,7 +69,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else _root(seq)
             extra = seq.cache_salt.encode() if (i == 0 and seq.cache_salt) else b""
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], extra))
 

@@ -15,6 +15,8 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.isolation import FaultIsolator
 from engine.kv_cache import KVCacheManager, cdiv
+from engine.lora import LoRAManager
+from engine.lora_config import parse_lora_flags
 from engine.memory import GiB, kv_budget, swap_bytes
 from engine.model_runner import ModelRunner
 from engine.models import loader
@@ -66,6 +68,8 @@ class LLMEngine:
         model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
         model.load_weights(loader.iter_safetensors(model_dir))  # a shard at a time
         model.eval()
+        self.lora = LoRAManager(parse_lora_flags(config.lora), model,
+                                config.lora_memory_bytes) if config.lora else None
 
         per_block = (
             2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim
@@ -122,7 +126,7 @@ class LLMEngine:
         self.pooling = PoolingConfig.of(model_dir, hf_config)
         self.runner = ModelRunner(
             model, backend, kv_caches, block_size, self.info.eos_token_ids, config.seed,
-            self.structured, host_kv_caches, self.pooling,
+            self.structured, host_kv_caches, self.pooling, self.lora,
         )
         self.runner.warm_up()
         if device.type == "cuda" and not config.enforce_eager:
@@ -132,6 +136,8 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         self._compiling: list[Sequence] = []  # waiting for their grammars
         self._arrivals = itertools.count()
+        self._lora_waiting: list[Request] = []  # registered, waiting for their adapter to load
+        self._lora_pins: dict[str, str] = {}  # request id -> the adapter it holds
 
     # -- requests ------------------------------------------------------------------------
 
@@ -143,6 +149,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a request: a generation, or with ``PoolingParams`` an embedding.
 
@@ -159,6 +166,11 @@ class LLMEngine:
                 parameters for an embedding.
             priority: lower values are scheduled first and preempted last.
             cache_salt: requests share cached prefix blocks only with the same salt.
+            lora: the LoRA adapter to run with (``EngineConfig.lora``); None: the base model.
+                Requests of different adapters and the base share steps; their cached
+                prefix blocks are their adapter's own. While the adapter cannot be loaded
+                (``lora_memory_bytes`` held by adapters of running requests) the request
+                waits.
 
         Raises:
             ValueError: a duplicate id, an empty prompt, token ids outside the vocabulary,
@@ -169,10 +181,15 @@ class LLMEngine:
                 ``response_format`` compiles beside the steps (the request waits for it);
                 one that does not compile within the budget fails the request alone, its
                 output's ``error`` naming why (``GrammarError``). ``dimensions`` on a model
-                that does not allow truncation to them.
+                that does not allow truncation to them. A LoRA adapter this engine does not
+                serve.
         """
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError(f"unknown LoRA adapter {lora!r}: this engine serves none")
+            self.lora.check(lora)
         pooling = params if isinstance(params, PoolingParams) else None
         if pooling is not None:
             self.pooling.check(pooling)
@@ -201,11 +218,17 @@ class LLMEngine:
             priority=priority,
             arrival_order=next(self._arrivals),
             cache_salt=cache_salt,
+            lora=lora,
             pending_grammar=compiled,
             pooling=pooling,
             reads_cached_prefix=pooling is None or not self.pooling.needs_every_row,
         )
-        self.scheduler.add_request(Request(request_id, token_ids, params, metrics, [seq]))
+        request = Request(request_id, token_ids, params, metrics, [seq])
+        if lora is not None and not self._acquire_lora(request_id, lora):
+            self.scheduler.requests[request_id] = request  # queued once its adapter loads
+            self._lora_waiting.append(request)
+        else:
+            self.scheduler.add_request(request)
         if compiled is not None:
             self._compiling.append(seq)
 
@@ -238,9 +261,40 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; return the requests that progressed or finished."""
+        self._queue_lora_waiting()
+        outputs = self._step()
+        for out in outputs:  # a finished request lets go of its adapter
+            name = self._lora_pins.pop(out.request_id, None) if out.finished else None
+            if name is not None and self.lora is not None:
+                self.lora.release(name)
+        return outputs
+
+    def _acquire_lora(self, request_id: str, name: str) -> bool:
+        assert self.lora is not None
+        if not self.lora.acquire(name):
+            return False
+        self._lora_pins[request_id] = name
+        return True
+
+    def _queue_lora_waiting(self) -> None:
+        # Requests whose adapter could not load go to the scheduler once it can (aborted
+        # ones are dropped), in arrival order.
+        waiting, self._lora_waiting = self._lora_waiting, []
+        for req in waiting:
+            if req.request_id not in self.scheduler.requests:
+                continue
+            seq = req.seqs[0]
+            if seq.lora is not None and self._acquire_lora(req.request_id, seq.lora):
+                self.scheduler.add(seq)
+            else:
+                self._lora_waiting.append(req)
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self._take_grammars()
         if not self.scheduler.has_unfinished():
+            if self._lora_waiting:  # cannot happen: only running requests pin adapters
+                raise RuntimeError("requests wait for LoRA adapters none runs with")
             return outputs
         batch = self.scheduler.schedule()
         if batch.is_empty:
@@ -313,6 +367,7 @@ class LLMEngine:
         params: Params | Seq[Params] | None = None,
         *,
         use_tqdm: bool = False,
+        lora: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; one output per prompt, in input order.
 
@@ -321,6 +376,8 @@ class LLMEngine:
             params: one ``SamplingParams`` (or ``PoolingParams``: embeddings) for all
                 prompts, or one per prompt (generations and embeddings may mix).
             use_tqdm: show a progress bar.
+            lora: the LoRA adapter of every prompt, or one per prompt (None: the base
+                model), mixed in the same steps.
 
         A prompt that is invalid gets an output with ``finish_reason == "error"`` and its
         ``error``; the other prompts still complete.
@@ -335,9 +392,12 @@ class LLMEngine:
                 )
         ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
         results: dict[str, RequestOutput] = {}
-        for request_id, prompt, p in zip(ids, prompts, per_prompt, strict=True):
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA adapters for {len(prompts)} prompts")
+        for request_id, prompt, p, adapter in zip(ids, prompts, per_prompt, loras, strict=True):
             try:
-                self.add_request(request_id, prompt, p)
+                self.add_request(request_id, prompt, p, lora=adapter)
             except ValueError as exc:
                 results[request_id] = Processor.error_output(request_id, str(exc))
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req")

@@ -9,14 +9,16 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.cuda_graphs import DecodeGraphs
+from engine.lora import LoRAManager
 from engine.models.llama import LlamaForCausalLM
 from engine.pooler import PoolingConfig
 from engine.sampler import Sampler, SampleRow, torch_argmax
-from engine.scheduler import ModelOutput, SchedulerOutput
+from engine.scheduler import ModelOutput, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 from engine.structured_output import StructuredOutput
 from kernels import Backend, native
 from kernels.cascade import runs_cascade, shared_prefix
+from kernels.lora import LoRAMapping
 
 
 class ModelRunner:
@@ -27,7 +29,8 @@ class ModelRunner:
     whose last block is the padding block of graph-replayed decodes (never handed out);
     ``host_kv_caches``: the same layout with the host pool's blocks (pinned on CUDA), or
     ``None`` without swap preemption. ``pooling``: how pooling sequences' hidden states
-    become their partials (``engine.pooler``).
+    become their partials (``engine.pooler``). ``lora``: the LoRA adapters' slots, which a
+    step's rows name (None: no adapters served).
     """
 
     def __init__(
@@ -41,8 +44,10 @@ class ModelRunner:
         structured: StructuredOutput | None = None,
         host_kv_caches: torch.Tensor | None = None,
         pooling: PoolingConfig | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.pooling = pooling
         self.backend = backend
         self.kv_caches = kv_caches
@@ -154,6 +159,7 @@ class ModelRunner:
         n = input_ids.shape[0]
         cascade = meta.decode_prefix is not None and meta.decode_prefix[1] > 0
         if (self.graphs is not None and meta.num_decode_tokens == n and not cascade
+                and meta.lora is None
                 and self.graphs.padded_size(n) is not None):
             return self.graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, self.kv_caches, meta)
@@ -223,8 +229,18 @@ class ModelRunner:
                 dev
             ),
             decode_prefix=decode_prefix,
+            lora=self._lora_mapping(seqs, seq_index),
         )
         return torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), meta
+
+    def _lora_mapping(self, seqs: tuple[ScheduledSeq, ...],
+                      seq_index: np.ndarray) -> LoRAMapping | None:
+        # Each row's adapter slot, from its sequence's adapter (-1: the base model).
+        if self.lora is None:
+            return None
+        slot_of = self.lora.slot_of
+        slots = np.array([slot_of[s.seq.lora] if s.seq.lora else -1 for s in seqs])
+        return LoRAMapping.of(slots[seq_index], self.device)
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, pairs: tuple[tuple[int, int], ...]) -> None:

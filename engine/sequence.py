@@ -45,6 +45,7 @@ class Sequence:
     arrival_order: int = 0
     index: int = 0  # sample index within the request (n > 1)
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
@@ -123,6 +124,7 @@ class Sequence:
             arrival_order=self.arrival_order,
             index=index,
             cache_salt=self.cache_salt,
+            lora=self.lora,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

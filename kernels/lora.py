@@ -93,3 +93,16 @@ def add_lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
         shrunk = a[s].float() @ x[t].float()  # [R]
         out[t] = (y[t].float() + b[s].float() @ shrunk).to(y.dtype)
     return out
+
+
+@dataclass
+class LoRASlots:
+    """One projection's adapters, by slot: what ``add_lora`` reads (``weights``, and
+    ``stacked`` on CUDA). Kept on the projection's module by ``engine.lora``."""
+
+    weights: SlotWeights
+    stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+        """``y`` plus each row's adapter product (``add_lora``)."""
+        return add_lora(x, y, self.weights, self.stacked, mapping)

@@ -26,6 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
 from kernels import Backend, native
 from kernels.cascade import runs_cascade
+from kernels.lora import LoRAMapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -140,7 +141,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = _adapted(self.qkv_proj, x, meta.lora)
         qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             h = self.num_heads
@@ -150,7 +151,7 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.qk_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        return _adapted(self.o_proj, out.reshape(t, -1), meta.lora)
 
 
 class MLP(nn.Module):
@@ -163,12 +164,12 @@ class MLP(nn.Module):
                                 backend.linear)
         self.fused = backend.fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate_up = _adapted(self.gate_up_proj, x, lora)
         if self.fused:
-            return self.down_proj(native.silu_mul(gate_up))
+            return _adapted(self.down_proj, native.silu_mul(gate_up), lora)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return _adapted(self.down_proj, F.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -191,7 +192,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(rope, h, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -278,6 +279,7 @@ class LlamaForCausalLM(nn.Module):
         prefix (torch's attention computes it), at most ``one_call_rows()`` of them, over a
         contiguous CPU KV cache of the weights' dtype."""
         if not (meta.num_decode_tokens == rows and meta.decode_prefix is not None
+                and meta.lora is None
                 and 0 < rows <= self.one_call_rows()):
             return False
         prefix_rows, shared = meta.decode_prefix
@@ -343,6 +345,14 @@ class LlamaForCausalLM(nn.Module):
             kv = self.num_kv_heads * self.head_dim
             return [total - 2 * kv, kv, kv]
         return [total // 2, total // 2]
+
+
+def _adapted(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+    """``linear(x)`` plus each row's LoRA adapter product when the step has adapted rows
+    (``engine.lora`` keeps the adapters' weights on the module, as ``lora``)."""
+    y = linear(x)
+    slots = getattr(linear, "lora", None)
+    return y if lora is None or slots is None else slots.add(x, y, lora)
 
 
 def _head_dim(config: PretrainedConfig) -> int:
