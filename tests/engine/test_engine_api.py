@@ -179,6 +179,11 @@ def test_bad_prompts_fail_alone(engine: LLMEngine) -> None:
     assert "vocabulary" in (outs[3].error or "")
     assert "role" in (outs[5].error or "")
     assert len(outs[4].token_ids) == 12 and outs[4].error is None
+    for bad in outs[:4] + outs[5:]:  # one empty sample, index 0, no prompt, no time spent
+        assert bad.prompt_token_ids == [] and bad.token_ids == [] and bad.text == ""
+        assert [s.index for s in bad.outputs] == [0]
+        m = bad.metrics
+        assert isinstance(m.arrival_time, float) and m.finish_time == m.arrival_time
 
 
 def test_more_samples_than_seats_is_refused(tiny_model: Path) -> None:
