@@ -97,3 +97,24 @@ def test_prefill_token_is_the_same_in_any_chunk(paged_batch, dtype) -> None:
 def test_refused_on_the_reference_backend() -> None:
     with pytest.raises(ValueError, match="cpu and triton"):
         get_ops("torch", batch_invariant=True)
+
+
+def test_triton_engine_rows_do_not_depend_on_the_batch(tmp_path, monkeypatch) -> None:
+    """The CUDA path's wiring, under the interpreter: the engine on the Triton backend in the
+    mode, bf16, a prompt alone and among four in chunked steps (prefill cut at 16 tokens)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.testing import make_tiny_model
+    from kernels import BACKEND_ENV
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    model = make_tiny_model(tmp_path / "tiny", hidden_size=60, num_heads=6, num_kv_heads=2,
+                            head_dim=10, num_layers=1)
+    prompts = [[*range(20, 40), 5], list(range(3, 12)), [7], [9, 8]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)
+    engine = LLMEngine(EngineConfig(model=str(model), attention_backend="triton",
+                                    dtype="bfloat16", batch_invariant=True, num_kv_blocks=32,
+                                    max_num_batched_tokens=16))
+    batched = engine.generate(prompts, greedy)[0]
+    alone = engine.generate(prompts[:1], greedy)[0]
+    assert alone.token_ids == batched.token_ids
+    assert alone.outputs[0].logprobs == batched.outputs[0].logprobs
