@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, TypeAdapter
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
 from engine.sampling_params import SamplingParams
@@ -119,15 +119,29 @@ class Stage:
 
     def value(self, row: RowDict, text: str) -> Any:
         """One output's value: ``parse(row, text)``, else the format's record, else the text.
-        Raises when it does not parse."""
+        Raises when it does not parse.
+
+        A record's JSON is read with its strings' raw control characters (a tab, U+0018)
+        taken as they are: JSON wants them escaped, but the grammar of a string with a
+        ``maxLength`` (xgrammar 0.2.9) lets them through, and the record is still checked
+        against the format."""
         if self.parse is not None:
             return self.parse(row, text)
         if isinstance(self.response_format, type):
-            return self.response_format.model_validate_json(text)
+            try:
+                return self.response_format.model_validate_json(text)
+            except ValidationError as exc:
+                if [e["type"] for e in exc.errors()] != ["json_invalid"]:
+                    raise
+                try:
+                    record = json.loads(text, strict=False)
+                except ValueError:
+                    raise exc from None
+                return self.response_format.model_validate(record)
         if self.response_format is not None:
             from jsonschema import validate
 
-            record = json.loads(text)
+            record = json.loads(text, strict=False)
             validate(record, dict(self.response_format))
             return record
         return text

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import datasets
+import jsonschema
+import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 from datasets import Dataset
@@ -24,7 +28,9 @@ from jobs.pipeline_output import ParquetSink, arrow_table
 from jobs.sdk import Client
 from worker.cli import main
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "pipelines.md"
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "pipelines.md"
+EXAMPLE = REPO / "examples" / "qa_pipeline.py"
 N = 8  # source rows, of widths 1, 2, 0, 1, 2, 0, 1, 2
 
 
@@ -48,11 +54,15 @@ def _lines(path: Path) -> list[dict]:
     return _sorted([json.loads(x) for x in path.read_text().splitlines()])
 
 
-def _parquet(path: Path) -> list[dict]:
-    """The rows of a Parquet output as ``datasets`` loads them."""
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+
+
+def _parquet_rows(path: Path) -> list[dict]:
+    """The rows of a Parquet output as ``datasets`` loads them, by key."""
     loaded = Dataset.from_parquet(str(path), cache_dir=str(path.parent / "hf-cache"))
     assert isinstance(loaded, Dataset)
-    return _sorted(list(loaded))
+    return sorted(loaded, key=lambda r: r["_key"])
 
 
 def _texts(client: Client, rows: list[sa.Row]) -> list[str]:
@@ -126,7 +136,7 @@ def test_a_rerun_submits_nothing_and_a_changed_stage_reruns_alone(  # type: igno
     assert _count(client, "qa") == counts  # nothing submitted again
     # the same rows from the stored results, as Parquet that `datasets` opens, and in memory
     lines = _lines(tmp_path / "1.jsonl")
-    assert _parquet(tmp_path / "2.parquet") == lines != []
+    assert _sorted(_parquet_rows(tmp_path / "2.parquet")) == lines != []
     assert _sorted(list(again.dataset())) == lines
     assert again.dataset().features["judge"]["score"].dtype == "int64"  # a struct, not text
     assert again.summary == first.summary
@@ -225,24 +235,88 @@ def test_n_samples_make_a_list_and_a_json_schema_a_dict(  # type: ignore[no-unty
     assert set(row["check"]) == {"ok"} and isinstance(row["check"]["ok"], bool)
 
 
-def test_the_docs_example_runs(services: dict[str, str], start_worker,  # type: ignore[no-untyped-def]
-                               monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:
-    (block,) = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+def _run_example(services: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                 tmp_path: Path) -> dict:
+    """``python examples/qa_pipeline.py`` in ``tmp_path`` on the test's services: its
+    globals."""
     for name, value in services.items():
         monkeypatch.setenv(f"KVBATCH_{name.upper()}", value)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     monkeypatch.chdir(tmp_path)
+    return runpy.run_path(str(EXAMPLE), run_name="__main__")
+
+
+def test_the_example_runs_as_a_script_and_as_the_command(  # type: ignore[no-untyped-def]
+        services: dict[str, str], client: Client, start_worker,
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cli_args: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _python_blocks()[0] == EXAMPLE.read_text()  # the docs show the file as it is
     start_worker(served_model_name=DEFAULT_MODEL)  # the tiny model, under the default name
-    scope: dict = {"__name__": "pipelines_md"}
-    exec(compile(block, str(DOCS), "exec", dont_inherit=True), scope)  # no future annotations
+    scope = _run_example(services, monkeypatch, tmp_path)
     table = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in table] == ["stage", "questions", "answers", "judge"]
-    result = scope["result"]
-    assert result.summary["questions"].rows_in == 3
-    assert result.summary["judge"].rows_in == result.summary["answers"].rows_out
-    lines = [json.loads(x) for x in (tmp_path / "qa.jsonl").read_text().splitlines()]
-    assert len(lines) == len(result.rows) == result.summary["judge"].rows_out
-    assert all(scope["Score"].model_validate(x["judge"]).score >= 4 for x in lines)
+    result, summary = scope["result"], scope["result"].summary
+    assert summary["questions"].rows_in == 3 and not result.failed
+    infos = {stage: client.jobs.get_many([r.id for r in rows])
+             for stage, rows in _jobs(client, "qa-v1").items()}
+    assert summary["answers"].rows_in == sum(
+        len(scope["questions"].value({}, i.result.text).items) for i in infos["questions"])
+    assert summary["judge"].rows_in == summary["answers"].rows_out == summary["answers"].rows_in
+    # keep: exactly the rows whose judge job scored 4 or more
+    scores = {i.metadata["key"]: scope["judge"].value({}, i.result.text).score
+              for i in infos["judge"]}
+    assert sorted(r["_key"] for r in result.records()) == sorted(
+        k for k, score in scores.items() if score >= 4)
+    assert summary["judge"].filtered == sum(score < 4 for score in scores.values())
+    assert pq.read_table(tmp_path / "qa.parquet").to_pylist() == result.records()
+    # the same file through `kvbatch pipeline run`: the same stages, nothing runs again
+    counts = _count(client, "qa-v1")
+    assert main(["pipeline", "run", str(EXAMPLE), "-o", "again.parquet", "--no-progress",
+                 *cli_args]) == 0
+    assert _count(client, "qa-v1") == counts
+    assert pq.read_table(tmp_path / "again.parquet").num_rows == len(result.rows)
+
+
+@pytest.mark.slow
+def test_the_example_on_the_real_model_keeps_rows_that_validate_and_loads_as_a_dataset(  # type: ignore[no-untyped-def]
+        services: dict[str, str], start_worker, monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    start_worker(model=DEFAULT_MODEL, served_model_name=DEFAULT_MODEL, num_kv_blocks=512)
+    scope = _run_example(services, monkeypatch, tmp_path)
+    result, summary = scope["result"], scope["result"].summary
+    print(result.table(), file=sys.stderr)  # the figures docs/pipelines.md quotes (pytest -s)
+    assert summary["questions"].rows_out == 3 and summary["judge"].rows_out == len(result.rows)
+    assert result.rows, result.table()
+    for row in result.rows:  # every kept row validates against its stages' formats
+        scope["Questions"].model_validate(row["questions"].model_dump())
+        assert scope["Score"].model_validate(row["judge"].model_dump()).score >= 4
+        assert row["question"] in row["questions"].items and row["answers"].strip()
+    # the answers share their system prompt: the prefix cache serves part of their prompts
+    assert summary["answers"].cached_prompt_tokens > 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[-2:] == ["cache", "hit"]
+    assert table[2].split()[-1] == f"{summary['answers'].prefix_cache_hit_rate:.0%}"
+    # the docs' loading block opens the Parquet file the example wrote
+    (load,) = (b for b in _python_blocks() if "from_parquet" in b)
+    exec(load, loaded := {})
+    assert sorted(loaded["qa"], key=lambda r: r["_key"]) == sorted(
+        result.records(), key=lambda r: r["_key"])
+
+
+def test_a_record_with_a_raw_control_character_parses_and_is_still_checked() -> None:
+    p = Pipeline("records")
+    model = p.stage("model", source=[], prompt=str, response_format=Questions)
+    schema = p.stage("schema", source=[], prompt=str, response_format={
+        "type": "object", "properties": {"items": {"type": "array", "maxItems": 1}}})
+    raw = '{"items": ["why\tnot\x18"]}'  # a tab and U+0018 unescaped in the string
+    with pytest.raises(ValidationError, match="literal_error"):  # not a question word
+        model.value({}, raw)
+    assert model.value({}, '{"items": ["how",\t"when"]}').items == ["how", "when"]
+    assert schema.value({}, raw) == {"items": ["why\tnot\x18"]}
+    with pytest.raises(ValidationError, match="json_invalid"):  # still not JSON
+        model.value({}, '{"items": ["how"')
+    with pytest.raises(jsonschema.ValidationError, match="is too long"):
+        schema.value({}, '{"items": ["a\x01", "b"]}')
 
 
 def test_the_command_says_in_one_line_what_is_wrong_with_the_file(  # type: ignore[no-untyped-def]
