@@ -98,11 +98,42 @@ def add_lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: tor
 @dataclass
 class LoRASlots:
     """One projection's adapters, by slot: what ``add_lora`` reads (``weights``, and
-    ``stacked`` on CUDA). Kept on the projection's module by ``engine.lora``."""
+    ``stacked`` on CUDA). Kept on the projection's module by ``engine.lora``.
+
+    On the CPU a step whose rows use several adapters runs them as one shrink and one expand
+    (``add_lora_concat``) over the present adapters' weights concatenated along the rank: a
+    few large matmuls rather than two per adapter, each adapter's weights still read once. The
+    concatenation is kept for the next step with the same adapters.
+    """
 
     weights: SlotWeights
     stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    _concat: tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        """``y`` plus each row's adapter product (``add_lora``)."""
-        return add_lora(x, y, self.weights, self.stacked, mapping)
+        """``y`` plus each row's adapter product."""
+        present = tuple(s for s, _ in mapping.segments if self.weights[s] is not None)
+        if len(present) < 2 or (self.stacked is not None and x.is_cuda):
+            return add_lora(x, y, self.weights, self.stacked, mapping)
+        key = tuple(v for s in present for v in (s, id(self.weights[s])))
+        if self._concat is None or self._concat[0] != key:
+            pairs = [self.weights[s] for s in present]
+            a = torch.cat([p[0] for p in pairs if p is not None])  # [sum R, in]
+            b = torch.cat([p[1] for p in pairs if p is not None], dim=1)  # [out, sum R]
+            col_slot = torch.cat([torch.full((p[0].shape[0],), s, dtype=torch.int32)
+                                  for s, p in zip(present, pairs, strict=True)
+                                  if p is not None]).to(a.device)
+            self._concat = (key, a, b, col_slot)
+        _, a, b, col_slot = self._concat
+        return add_lora_concat(x, y, a, b, col_slot, mapping.index)
+
+
+def add_lora_concat(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    col_slot: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``add_lora`` for several adapters at once, in place on ``y``: ``a`` (``[C, in]``) and
+    ``b`` (``[out, C]``) hold the adapters' weights side by side along the rank, column ``c``
+    belonging to slot ``col_slot[c]``; each row keeps only its own slot's columns of the
+    shrink before the expand."""
+    shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
+    shrunk *= index[:, None] == col_slot[None, :]
+    return torch.addmm(y, shrunk, b.t(), out=y)

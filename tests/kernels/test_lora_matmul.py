@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.lora import LoRAMapping, add_lora, add_lora_reference
+from kernels.lora import LoRAMapping, LoRASlots, add_lora, add_lora_reference
 from kernels.lora_triton import add_lora_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -73,6 +73,28 @@ def test_cpu_path_matches_reference(slots, in_features, out_features, ranks, dty
         return
     got = add_lora(x, y.clone(), weights, None, mapping)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Several adapters at once: one shrink and one expand over their concatenated weights
+    # (kept for the next step with the same adapters).
+    slots = LoRASlots(weights)
+    for _ in range(2):
+        got = slots.add(x, y.clone(), mapping)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_concat_follows_the_slots_weights():
+    # A slot given another adapter's weights (one unloaded, another loaded in its place) is
+    # not served from the concatenation of the previous ones.
+    a, b = _weights(16, 8, (4, 4), torch.float32)
+    slots = LoRASlots([(a[0], b[0]), (a[1], b[1])])
+    x, y = torch.randn(3, 16), torch.zeros(3, 8)
+    mapping = LoRAMapping.of(np.array([0, 1, -1]), torch.device("cpu"))
+    assert mapping is not None
+    first = slots.add(x, y.clone(), mapping)
+    slots.weights[1] = (a[1] * 2, b[1])
+    second = slots.add(x, y.clone(), mapping)
+    torch.testing.assert_close(second[0], first[0])
+    torch.testing.assert_close(second[1], 2 * first[1])
+    assert torch.equal(second[2], y[2])
 
 
 def test_mapping_segments():
