@@ -95,3 +95,40 @@ def make_tiny_model(
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size
                                    else {}))
     return path
+
+
+def make_random_adapter(model_dir: Path, out: Path, rank: int, seed: int,
+                        targets: tuple[str, ...] | None = None) -> Path:
+    """Write a random LoRA adapter of ``rank`` for the model in ``model_dir`` as PEFT saves
+    one (``adapter_config.json``, ``adapter_model.safetensors``), adapting ``targets`` of
+    every layer, A and B both nonzero; returns ``out``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.lora_config import TARGET_MODULES
+    from engine.models import loader
+
+    targets = targets or TARGET_MODULES
+    config = loader.load_config(model_dir)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for part in targets:
+            block = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{part}"
+            d_in, d_out = shapes[part]
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * 0.01
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+        "bias": "none", "base_model_name_or_path": str(model_dir)}))
+    return out

@@ -25,8 +25,8 @@ from jobs.db import as_engine, require_database
 from jobs.feed import Feeder
 from jobs.follow import Follower, NoticeHub
 from jobs.limits import JobLimits
-from jobs.queue import JobQueue, live_workers, publish_done, signal_cancel
-from jobs.schemas import BatchStatus, JobInfo, JobSpec, JobStatus, encode_job
+from jobs.queue import JobQueue, live_adapters, live_workers, publish_done, signal_cancel
+from jobs.schemas import BatchStatus, JobInfo, JobSpec, JobStatus, encode_job, queue_model
 from jobs.stats import Stats, aggregate
 from jobs.store import BatchStore, FeedStore, JobReader, ProducerStore
 
@@ -145,7 +145,7 @@ class JobClient:
                deadline: datetime | None, fence: int | None) -> None:
         by_model: dict[str, list[JobSpec]] = defaultdict(list)
         for spec in specs:
-            by_model[spec.model].append(spec)
+            by_model[queue_model(spec.model)].append(spec)
         direct = {model for model, group in by_model.items() if self._has_room(model, len(group))}
         self.producer.insert_jobs(specs, webhook_url=webhook_url, deadline=deadline, fed=direct,
                                   fence=fence)
@@ -273,8 +273,10 @@ class JobClient:
         return model in self.served_models()
 
     def served_models(self) -> set[str]:
-        """The models live workers serve."""
-        return set(live_workers(self.redis, self.keys).values())
+        """The models live workers serve, their LoRA adapters (``<model>:<adapter>``)
+        included."""
+        return set(live_workers(self.redis, self.keys).values()) | live_adapters(self.redis,
+                                                                                 self.keys)
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:

@@ -60,6 +60,10 @@ class Keys:
         """Hash of worker id -> model of every worker that has ever registered (for listings)."""
         return f"{self.prefix}:workers"
 
+    def adapters(self) -> str:
+        """Hash of worker id -> JSON list of the LoRA adapters it serves, as jobs name them."""
+        return f"{self.prefix}:adapters"
+
     def cancel(self, job_id: str) -> str:
         """Set when cancellation of a running job is requested."""
         return f"{self.prefix}:cancel:{job_id}"

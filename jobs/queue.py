@@ -28,7 +28,7 @@ from jobs.constants import (
     Keys,
 )
 from jobs.route import ROUTE_BUCKETS, bucket_of
-from jobs.schemas import JobSpec, JobStatus, encode_job
+from jobs.schemas import JobSpec, JobStatus, encode_job, queue_model
 
 DEAD_LETTER_MAXLEN = 100_000
 # A worker steals an entry of another's bucket once it has waited this long: an idle owner
@@ -230,7 +230,7 @@ class JobQueue:
         waiting; equal ones keep their arrival order, numbered across the model's streams by
         the counter ``Keys.arrivals``); returns the new entries' ids."""
         for spec in specs:
-            if spec.model != self.model:
+            if queue_model(spec.model) != self.model:
                 raise ValueError(f"job {spec.id} is for model {spec.model!r}, not {self.model!r}")
         if not specs:
             return []
@@ -293,13 +293,17 @@ class JobQueue:
             pipe.xdel(stream, *ids)
         pipe.execute()
 
-    def heartbeat(self, worker_id: str, lease_ttl_ms: int, window: int = 0) -> None:
+    def heartbeat(self, worker_id: str, lease_ttl_ms: int, window: int = 0,
+                  adapters: Sequence[str] = ()) -> None:
         """Renew ``worker_id``'s lease on the entries it holds; ``window`` is how many jobs it
-        wants kept in the streams for it (see :meth:`window`)."""
+        wants kept in the streams for it (see :meth:`window`); ``adapters``: the names of the
+        LoRA adapters it serves (``<model>:<adapter>``, see :func:`live_adapters`)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(worker_id), self.model, px=lease_ttl_ms)
         pipe.hset(self.keys.workers(), worker_id, self.model)
         pipe.hset(self.keys.feed_windows(self.model), worker_id, window)
+        if adapters:
+            pipe.hset(self.keys.adapters(), worker_id, json.dumps(list(adapters)))
         pipe.execute()
 
     def drop_heartbeat(self, worker_id: str) -> None:
@@ -482,6 +486,12 @@ def live_workers(client: redis.Redis, keys: Keys) -> dict[str, str]:
     """Worker id -> served model name of every worker whose heartbeat is current (see
     :func:`live_entries`)."""
     return live_entries(client, keys, keys.workers())
+
+
+def live_adapters(client: redis.Redis, keys: Keys) -> set[str]:
+    """The LoRA adapters live workers serve, as jobs name them (``<model>:<adapter>``)."""
+    entries = live_entries(client, keys, keys.adapters())
+    return {name for names in entries.values() for name in json.loads(names)}
 
 
 def live_entries(client: redis.Redis, keys: Keys, registry: str) -> dict[str, str]:

@@ -43,7 +43,16 @@ JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,64}$"
 # Served model names: printable, no spaces or control characters (they reach terminals, logs
 # and Redis key names), no leading dash; a Hugging Face directory path fits.
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9/._][A-Za-z0-9._:/@+-]{0,254}$"
+# A job naming ``base:ADAPTER`` runs with that LoRA adapter on the workers of ``base``.
+ADAPTER_SEPARATOR = ":"
 WEBHOOK_URL_MAX_CHARS = 2048
+
+
+def queue_model(model: str) -> str:
+    """The served model whose queue (streams, SQL backlog, workers) a job naming ``model``
+    waits in: ``base:ADAPTER`` waits in ``base``'s, whose workers serve the LoRA adapter
+    (``kvbatch worker --lora ADAPTER=DIR``); any other name in its own."""
+    return model.partition(ADAPTER_SEPARATOR)[0]
 
 
 class JobStatus(StrEnum):
@@ -155,7 +164,8 @@ class JobSpec(_Strict):
         id: unique job id (generated when omitted).
         batch_id: the batch this job belongs to, if any.
         custom_id: the caller's own id (unique within a batch), e.g. a JSONL row key.
-        model: the served model name; workers only run jobs of their own model.
+        model: the served model name; workers only run jobs of their own model, or of one
+            of its LoRA adapters as ``<model>:<adapter>`` (see :func:`queue_model`).
         prompt: the user's request as text: on a model with a chat template it becomes one
             user message (as ``messages=[{"role": "user", "content": prompt}]``), else it is
             the raw text.

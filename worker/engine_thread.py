@@ -40,7 +40,8 @@ class Engine(Protocol):
     """The streaming core of an engine, as the worker drives it (``engine.LLMEngine``)."""
 
     def add_request(self, request_id: str, prompt: TextOrChat,
-                    params: SamplingParams | PoolingParams, *, priority: int = 0) -> None: ...
+                    params: SamplingParams | PoolingParams, *, priority: int = 0,
+                    lora: str | None = None) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
 
@@ -102,7 +103,7 @@ def serve(engine: Engine, commands: Callable[[bool], Iterable[Command]],
                             embeds.add(engine, cmd)
                         else:
                             engine.add_request(cmd.job_id, cmd.prompt, cmd.params,
-                                               priority=cmd.priority)
+                                               priority=cmd.priority, lora=cmd.lora)
                     except Exception as exc:  # bad input fails this job alone
                         emit(Rejected(cmd.job_id, f"{type(exc).__name__}: {exc}"))
                 elif not embeds.abort(engine, cmd.job_id):

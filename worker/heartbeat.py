@@ -25,10 +25,11 @@ class Heartbeat:
     ``window`` jobs in the stream (``jobs.feed``)."""
 
     def __init__(self, queue: JobQueue, worker_id: str, lease_ttl_s: float,
-                 stall_s: float, window: int) -> None:
+                 stall_s: float, window: int, adapters: tuple[str, ...] = ()) -> None:
         self.queue = queue
         self.worker_id = worker_id
         self.window = window
+        self.adapters = adapters  # announced with each beat (JobQueue.heartbeat)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.interval_s = lease_ttl_s / 3
         self.stall_s = stall_s
@@ -37,7 +38,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window)
+        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window, self.adapters)
         self._thread.start()
 
     def progress(self) -> None:
@@ -60,6 +61,7 @@ class Heartbeat:
                 continue
             stalled = False
             try:
-                self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window)
+                self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window,
+                                     self.adapters)
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)

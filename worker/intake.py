@@ -17,6 +17,7 @@ from collections.abc import Collection
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from engine.lora_config import adapter_of
 from jobs.limits import JobLimits
 from jobs.queue import Delivery, EntryRef, JobQueue
 from jobs.route import ROUTE_BUCKETS, owned_buckets
@@ -39,12 +40,13 @@ class Intake:
     def __init__(self, queue: JobQueue, deliveries: DeliveryStore, results: ResultWriter,
                  outbox: Outbox, metrics: WorkerMetrics, limits: JobLimits, *, worker_id: str,
                  model_name: str, max_deliveries: int, lease_ttl_s: float,
-                 affinity: bool = True) -> None:
+                 affinity: bool = True, adapters: tuple[str, ...] = ()) -> None:
         self.queue, self.deliveries, self.limits = queue, deliveries, limits
         self.results, self.outbox, self.metrics = results, outbox, metrics
         self.worker_id, self.model_name = worker_id, model_name
         self.max_deliveries, self.lease_ttl_s = max_deliveries, lease_ttl_s
         self.affinity = affinity
+        self.adapters = adapters  # the LoRA adapters' names (jobs name <model>:<adapter>)
         self.undecided: list[tuple[Delivery, JobSpec]] = []
         self._own_backlog: list[EntryRef] = []  # entries pending on our name from a past process
         self.owned: list[int] = list(range(ROUTE_BUCKETS))  # the buckets read first
@@ -134,7 +136,15 @@ class Intake:
     def _refusal(self, spec: JobSpec) -> str | None:
         """Why ``spec`` never reaches the engine (checked here, off the engine thread)."""
         if spec.model != self.model_name:
-            return f"unknown model {spec.model!r}: this queue is served by {self.model_name!r}"
+            try:
+                adapter_of(spec.model, self.model_name, self.adapters)
+            except ValueError:
+                also = f" and its LoRA adapters {', '.join(self.adapters)}" if self.adapters else ""
+                return (f"unknown model {spec.model!r}: this queue is served by "
+                        f"{self.model_name!r}{also}")
+            if spec.embed is not None:
+                return (f"embedding jobs run on the base model ({self.model_name!r}), not a "
+                        f"LoRA adapter ({spec.model!r})")
         try:
             self.limits.check(spec)
         except Exception as exc:  # a job that breaks a check fails alone

@@ -34,6 +34,7 @@ import redis
 from sqlalchemy import Engine as Database
 from sqlalchemy.exc import SQLAlchemyError
 
+from engine.lora_config import adapter_of
 from jobs.constants import Keys
 from jobs.db import make_engine
 from jobs.feed import Feeder
@@ -127,7 +128,7 @@ class Worker:
         self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox,
                                     self.redis_backoff, self.metrics, after_commit=after_commit)
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
-                                   s.window)
+                                   s.window, s.served_adapters)
         self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.db)),
                                    MaintenanceStore(self.db), s.reconcile_interval_s,
                                    s.reconcile_grace_s, self.metrics)
@@ -135,7 +136,8 @@ class Worker:
         self.intake = Intake(self.queue, self.deliveries, self.results, self.outbox,
                              self.metrics, self.limits, worker_id=self.worker_id,
                              model_name=s.model_name, max_deliveries=s.max_deliveries,
-                             lease_ttl_s=s.lease_ttl_s, affinity=s.affinity)
+                             lease_ttl_s=s.lease_ttl_s, affinity=s.affinity,
+                             adapters=s.adapters)
         self._cancels_at = self._depth_at = 0.0
         self._stop = threading.Event()
         self._drain_until: float | None = None
@@ -251,9 +253,10 @@ class Worker:
             self.runner.commands.put(
                 Embed(spec.id, spec.embed.input, spec.embed.pooling, spec.priority))
             return
+        lora = adapter_of(spec.model, self.intake.model_name, self.intake.adapters)  # checked
         self.runner.commands.put(
             Add(spec.id, spec.engine_prompt(chat=self.runner.has_chat_template), spec.sampling,
-                spec.priority))
+                spec.priority, lora))
 
     # -- cancellation and deadlines ----------------------------------------------------------
 

@@ -33,6 +33,7 @@ class Add(msgspec.Struct, frozen=True, tag="add"):
     prompt: TextOrChat
     params: SamplingParams
     priority: int = 0
+    lora: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class Embed(msgspec.Struct, frozen=True, tag="embed"):

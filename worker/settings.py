@@ -24,8 +24,9 @@ from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
+from engine.lora_config import parse_lora_flags
 from jobs.constants import DEFAULT_MAX_DELIVERIES
-from jobs.schemas import MODEL_NAME_PATTERN
+from jobs.schemas import ADAPTER_SEPARATOR, MODEL_NAME_PATTERN
 from jobs.settings import ENV_PREFIX, ConnectionSettings, DeploymentModels
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # worker processes' logs
@@ -120,6 +121,16 @@ class WorkerSettings(ConnectionSettings):
         return self.served_model_name or self.engine.model
 
     @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters this worker serves (``--lora NAME=DIR``)."""
+        return tuple(spec.name for spec in parse_lora_flags(self.engine.lora))
+
+    @property
+    def served_adapters(self) -> tuple[str, ...]:
+        """The adapters as jobs name them: ``<served model>:<adapter>``."""
+        return tuple(f"{self.model_name}{ADAPTER_SEPARATOR}{a}" for a in self.adapters)
+
+    @property
     def capacity(self) -> int:
         """Most jobs the worker holds at once."""
         return self.engine.max_num_seqs + self.waiting_buffer
@@ -169,6 +180,8 @@ def add_flag(group: Any, name: str, field: Any) -> None:
     flag = "--" + name.replace("_", "-")
     if kind is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+    elif get_origin(field.annotation) is tuple:  # a repeatable flag: --lora a=/x --lora b=/y
+        group.add_argument(flag, action="append", **kwargs)
     else:
         group.add_argument(flag, type=kind, **kwargs)
 

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from jobs.lease import LeaseLost
 from jobs.models import Batch, Job
-from jobs.schemas import JobSpec, JobStatus, Outcome
+from jobs.schemas import JobSpec, JobStatus, Outcome, queue_model
 from jobs.store.batches import fence_batch
 from jobs.store.transitions import ACTIVE, db_now, end_many, terminalize
 
@@ -56,7 +56,8 @@ class ProducerStore:
                     session.execute(update(Batch).where(Batch.id == batch_id)
                                     .values(num_jobs=Batch.num_jobs + n))
             copy = session.get_bind().dialect.name == "postgresql"
-            rows = [_job_row(s, now, s.model in fed, json_text=copy) for s in specs]
+            rows = [_job_row(s, now, queue_model(s.model) in fed, json_text=copy)
+                    for s in specs]
             if copy:
                 _copy_rows(session, rows)
             else:  # a Core insert (executemany): the ORM's bulk path costs a third more a row
@@ -146,7 +147,7 @@ def _job_row(spec: JobSpec, created_at: datetime, fed: bool,
         "id": spec.id,
         "batch_id": spec.batch_id,
         "custom_id": spec.custom_id,
-        "model": spec.model,
+        "model": queue_model(spec.model),  # the spec keeps the adapter, if any
         "status": _QUEUED,
         "priority": spec.priority,
         "spec": spec.wire_json if json_text else spec.model_dump(mode="json"),

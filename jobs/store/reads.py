@@ -48,11 +48,12 @@ class JobReader:
         """The stored jobs among ``job_ids`` (unknown ids are left out), in no set order."""
         with Session(self.engine) as session:
             rows = session.execute(
-                select(Job, JobMetrics).options(defer(Job.spec))  # the request: not read here
+                select(Job, JobMetrics, _NAMED_MODEL)
+                .options(defer(Job.spec))  # the request: not read here (but its model)
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
                 .where(Job.id.in_(job_ids))
             ).all()
-        return [_info(job, metrics) for job, metrics in rows]
+        return [_info(job, metrics, named) for job, metrics, named in rows]
 
     def batch_rows(self, batch_id: str, *, succeeded: bool | None = None,
                    fetch_rows: int = 16) -> Iterator[JobInfo]:
@@ -65,12 +66,12 @@ class JobReader:
                   if succeeded is not None else true())
         with Session(self.engine) as session:
             rows = session.execute(
-                select(Job, JobMetrics).options(defer(Job.spec))
+                select(Job, JobMetrics, _NAMED_MODEL).options(defer(Job.spec))
                 .outerjoin(JobMetrics, JobMetrics.job_id == Job.id)
                 .where(Job.batch_id == batch_id, wanted).order_by(Job.id)
                 .execution_options(yield_per=fetch_rows))
-            for job, metrics in rows:
-                yield _info(job, metrics)
+            for job, metrics, named in rows:
+                yield _info(job, metrics, named)
 
     def batch_jobs(self, batch_id: str) -> list[tuple[str, str | None, JobStatus]]:
         """(id, custom_id, status) of every job of ``batch_id``."""
@@ -156,7 +157,12 @@ class JobReader:
             return [dict(r._mapping) for r in conn.execute(query, params)]
 
 
-def _info(job: Job, metrics: JobMetrics | None) -> JobInfo:
+# The model the job named: its ``model`` column is its queue's (``queue_model``: a LoRA
+# adapter's jobs wait in their base model's queue).
+_NAMED_MODEL = Job.spec["model"].as_string()
+
+
+def _info(job: Job, metrics: JobMetrics | None, named_model: str | None = None) -> JobInfo:
     stats = JobStats.model_validate(metrics, from_attributes=True) if metrics else None
     result = None
     if job.text is not None or job.token_ids is not None:
@@ -174,7 +180,8 @@ def _info(job: Job, metrics: JobMetrics | None) -> JobInfo:
             embeddings=job.embeddings,
         )
     return JobInfo(
-        id=job.id, batch_id=job.batch_id, custom_id=job.custom_id, model=job.model,
+        id=job.id, batch_id=job.batch_id, custom_id=job.custom_id,
+        model=named_model or job.model,
         status=JobStatus(job.status), priority=job.priority, metadata=job.meta or {},
         created_at=aware(job.created_at), started_at=aware(job.started_at),
         finished_at=aware(job.finished_at), deadline=aware(job.deadline_at),

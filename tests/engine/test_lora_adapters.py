@@ -172,10 +172,10 @@ def test_adapter_config_refusals(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=None) as info:
             LoRAConfig.of({**good, **change})
         assert message in str(info.value)
-    with pytest.raises(ValueError, match="adapter_config.json not found"):
+    with pytest.raises(ValueError, match=r"adapter_config\.json not found"):
         LoRAConfig.read(tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps(good))
-    with pytest.raises(ValueError, match="adapter_model.safetensors not found"):
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors not found"):
         LoRAConfig.read(tmp_path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import time
 
@@ -108,6 +109,8 @@ def _other_value(field: dataclasses.Field) -> tuple[list[str], object]:  # type:
                "model": "/models/other"}
     if field.name in choices:
         return [flag, choices[field.name]], choices[field.name]
+    if isinstance(field.default, tuple):  # a repeatable flag (--lora a=/x --lora b=/y)
+        return [flag, "a=/x", flag, "b=/y"], ("a=/x", "b=/y")
     if isinstance(field.default, bool):
         return [flag if not field.default else "--no-" + flag[2:]], not field.default
     if isinstance(field.default, float):
@@ -133,7 +136,8 @@ def test_a_worker_flag_and_variable_for_every_engine_field(
         assert f"{field.metadata['help']} (default: {field.default})" in help_text, field.name
     for field in fields:  # and each from the environment, as KVBATCH_<FIELD>
         args, value = _other_value(field)
-        env = "true" if value is True else "false" if value is False else args[-1]
+        env = ("true" if value is True else "false" if value is False
+               else json.dumps(value) if isinstance(value, tuple) else args[-1])
         monkeypatch.setenv(f"KVBATCH_{field.name.upper()}", env)
     engine = settings_from_args(parser.parse_args([])).engine
     assert all(getattr(engine, f.name) == _other_value(f)[1] for f in fields)
