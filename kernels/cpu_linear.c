@@ -1,4 +1,5 @@
-/* Linear layers over a few rows: y[m, :] = x[m, :] @ w^T (+ bias), float32 accumulation.
+/* Linear layers over a few rows: y[m, :] = x[m, :] @ w^T (+ bias), float32 accumulation (any
+ * number of rows in the batch-invariant mode, each reduced in the same order).
  *
  * A decode step multiplies a few rows by every weight matrix, so it is bound by reading the
  * weights: each thread reads a contiguous run of output rows, ROWS at a time, and takes every
@@ -21,6 +22,13 @@
 
 #define ROWS 4  /* weight rows per tile */
 #define XROWS 2 /* x rows per tile: XROWS * ROWS accumulators, ROWS weight vectors in registers */
+/* Past a decode step's few rows (only kernels.batch_invariant sends more): WIDE_XROWS x rows a
+ * tile, and the rows in chunks of CHUNK_ROWS, each chunk's x kept in L2 while every weight
+ * row passes it (x whole would stream from L3 once per ROWS weight rows). Neither changes an
+ * output's order of reduction, which is the same for every tile shape. */
+#define WIDE_XROWS 4
+#define WIDE_FROM 16
+#define CHUNK_ROWS 64
 
 typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2))); /* unaligned loads */
 
@@ -62,7 +70,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
     const int64_t esize = bf16 ? 2 : 4;
     /* the next tile's rows, or these again at the end of the matrix (never past it) */
     const char *ahead = (const char *)w + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K * esize;
-    vf acc[XROWS][ROWS];
+    vf acc[WIDE_XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
@@ -121,12 +129,15 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
     }
 }
 
-/* Rows n0 .. n0 + R of y for every x row: XROWS x rows at a time while the R weight rows are
- * in L1 (after the first tile they come from there, not from memory). */
+/* Rows n0 .. n0 + R of y for x rows m .. M: XROWS x rows at a time (WIDE_XROWS for many)
+ * while the R weight rows are in L1 (after the first tile they come from there, not from
+ * memory). */
 INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, const void *w,
-                       const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                       int64_t n0, const int R, const int kind) {
-    int64_t m = 0;
+                       const float *bias, void *y, int y_bf16, int64_t m, int64_t M, int64_t N,
+                       int64_t K, int64_t n0, const int R, const int kind) {
+    if (M - m >= WIDE_FROM)
+        for (; m + WIDE_XROWS <= M; m += WIDE_XROWS)
+            tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, WIDE_XROWS, R, kind);
     for (; m + XROWS <= M; m += XROWS)
         tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, XROWS, R, kind);
     for (; m < M; m++)
@@ -137,11 +148,14 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
                         const float *bias, void *y, int y_bf16, int64_t M, int64_t N,
                         int64_t K, const int kind, int num_threads) {
     const int64_t full = N / ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < full; b++)
-        rows_block(x, xa, xh, w, bias, y, y_bf16, M, N, K, b * ROWS, ROWS, kind);
-    for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
-        rows_block(x, xa, xh, w, bias, y, y_bf16, M, N, K, n, 1, kind);
+        for (int64_t b = 0; b < full; b++)
+            rows_block(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, b * ROWS, ROWS, kind);
+        for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
+            rows_block(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, n, 1, kind);
+    }
 }
 
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
