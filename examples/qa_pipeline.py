@@ -12,7 +12,7 @@ from jobs import Client, Pipeline
 
 
 class Questions(BaseModel):
-    items: list[Annotated[str, StringConstraints(max_length=60)]] = Field(min_length=1,
+    items: list[Annotated[str, StringConstraints(max_length=60)]] = Field(min_length=3,
                                                                           max_length=3)
 
 
@@ -36,7 +36,8 @@ answers = pipeline.stage(
     max_tokens=80, temperature=0.0)
 judge = pipeline.stage(
     "judge", source=answers, response_format=Score, max_tokens=20, temperature=0.0,
-    prompt=lambda r: f"Rate the answer from 1 to 5.\nQ: {r['question']}\nA: {r['answers']}",
+    prompt=lambda r: f"Question: {r['question']}\nAnswer: {r['answers']}\n\nHow good is this "
+                     "answer, from 1 (wrong) to 5 (correct and clear)?",
     keep=lambda r: r["judge"].score >= 4)
 
 if __name__ == "__main__":

@@ -5,9 +5,11 @@ Every job of the run is followed by one :class:`jobs.follow.Follower` that grows
 on: when a job finishes, its row is parsed (or retried with another seed), filtered, exploded
 into the stages it feeds and submitted there at once (one submission per stage for the jobs
 one read found done), so a stage starts on its first rows while the stage before is still
-running. Submissions go through ``Client.submit_batch`` with
-the row's key as ``custom_id``: a row the stage's batch already holds (from a run that was
-interrupted, or finished) is not submitted again, and its stored result is used.
+running. A stage's jobs have priority ``-depth`` (0 for a first stage, -1 for the stages it
+feeds, ...): they pass the backlog of the stages before them. Submissions go through
+``Client.submit_batch`` with the row's key as ``custom_id``: a row the stage's batch already
+holds (from a run that was interrupted, or finished) is not submitted again, and its stored
+result is used.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ class PipelineRun:
     def __init__(self, pipeline: Pipeline, client: Client, progress: bool | None) -> None:
         self.pipeline, self.client = pipeline, client
         self.fed = {s: [c for c in pipeline.stages if c.source is s] for s in pipeline.stages}
+        self.depth: dict[Stage, int] = {}  # stages from a first stage (sources come first)
+        for s in pipeline.stages:
+            self.depth[s] = 0 if s.source is None else self.depth[s.source] + 1
         self.pending: dict[str, _Task] = {}  # job id -> its task
         self.outbox: dict[tuple[Stage, int], list[_Task]] = {}  # (stage, try) -> to submit
         self.follower: Follower | None = None  # made once the first rows are submitted
@@ -181,8 +186,11 @@ class PipelineRun:
         if not rows:
             return
         rejected: dict[str, Row] = {}
+        # a later stage's jobs go first (lower priority runs first): a row done in one stage
+        # passes the backlog of the stage before, so rows reach the end from the start
         handle = self.client.submit_batch(rows, batch_id=stage.batch_id, model=stage.model,
-                                          rejected=rejected, **stage.job_sampling(attempt))
+                                          priority=-self.depth[stage], rejected=rejected,
+                                          **stage.job_sampling(attempt))
         for custom_id, row in rejected.items():
             self._fail(by_id[custom_id], row.error)
         submitted = {job_id: by_id[c] for c, job_id in handle.submitted.items()}
