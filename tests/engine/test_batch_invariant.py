@@ -83,3 +83,16 @@ def test_bf16_smollm2_alone_and_in_a_batch_of_64() -> None:
                                     batch_invariant=True, kv_cache_memory_bytes=512 * 2**20))
     alone, batched = _alone_and_batched(engine, _prompts(64, 300), checked=8)
     assert [a.token_ids for a in alone] == [b.token_ids for b in batched]
+
+
+def test_bench_prints_the_modes_side_by_side(tiny_model: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.batch_invariant import main
+
+    assert main(["--model", str(tiny_model), "--num-requests", "8", "--checked", "4",
+                 "--max-tokens", "4", "--repeats", "1", "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[3:-1]}  # after the header
+    assert rows["batch-invariant"][1:4] == ["4", "of", "4"]
+    assert all(float(v) > 0 for v in rows["batch-invariant"][4:] + rows["default"][4:])
+    assert lines[-1].startswith("batch-invariant / default: batch ")
