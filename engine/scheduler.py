@@ -57,9 +57,9 @@ class SchedulerOutput:
                    swap_out=swap_out, swap_in=swap_in)
 
     def without(self, request_ids: set[str]) -> SchedulerOutput:
-        """This step less the sequences of ``request_ids`` (its copies kept)."""
-        return self.of(tuple(s for s in self.seqs if s.seq.request_id not in request_ids),
-                       self.block_copies, self.swap_out, self.swap_in)
+        """The sequences of this step that ran, less those of ``request_ids``: what
+        ``Scheduler.update`` takes after a step that faulted (its copies and swaps ran)."""
+        return self.of(tuple(s for s in self.seqs if s.seq.request_id not in request_ids))
 
     @property
     def is_empty(self) -> bool:

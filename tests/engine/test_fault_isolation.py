@@ -7,10 +7,11 @@ import contextlib
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineConfig, LLMEngine, PoolingParams, RequestOutput, SamplingParams
 
 HEALTHY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = "a healthy co-tenant"
@@ -74,6 +75,43 @@ def test_a_request_that_breaks_the_step_fails_alone(engine: LLMEngine, alone: li
     assert all(done[f"ok-{i}"].token_ids == alone and done[f"ok-{i}"].error is None
                for i in range(3))
     assert engine.kv.pool.num_free_blocks == free
+
+
+def test_a_fault_costs_its_co_tenants_no_step(engine: LLMEngine, alone: list[int],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the failed step computed for the requests beside the faulty one is kept: a
+    generation and an embedding finish in as many steps as without the fault, with the same
+    outputs."""
+    def run_to_end() -> tuple[int, dict[str, RequestOutput]]:
+        steps, done = 0, {}
+        while engine.has_unfinished_requests():
+            steps += 1
+            done |= {out.request_id: out for out in engine.step() if out.finished}
+        return steps, done
+
+    def add_co_tenants() -> None:
+        engine.add_request("gen", PROMPT, HEALTHY)
+        engine.add_request("emb", "an embedding co-tenant", PoolingParams())
+
+    add_co_tenants()
+    clean_steps, clean = run_to_end()
+    run = engine.runner.run
+
+    def run_failing_for_poison(batch):  # type: ignore[no-untyped-def]
+        if any(s.seq.request_id == "poison" for s in batch.seqs):
+            raise IndexError("index out of range in self")
+        return run(batch)
+
+    monkeypatch.setattr(engine.runner, "run", run_failing_for_poison)
+    add_co_tenants()
+    engine.add_request("poison", "poison prompt", HEALTHY)
+    steps, done = run_to_end()
+    assert steps == clean_steps
+    assert done["poison"].finish_reason == "error"
+    assert done["gen"].token_ids == alone == clean["gen"].token_ids
+    embedding, clean_embedding = done["emb"].outputs[0].embedding, clean["emb"].outputs[0].embedding
+    assert embedding is not None and clean_embedding is not None
+    assert torch.allclose(torch.tensor(embedding), torch.tensor(clean_embedding), atol=1e-5)
 
 
 def test_an_engine_wide_fault_is_raised_not_blamed_on_requests(
