@@ -167,7 +167,7 @@ class LoRAManager:
             if w.nbytes > memory_bytes:
                 raise ValueError(f"LoRA adapter {spec.name!r} needs {w.nbytes} bytes, over "
                                  f"lora_memory_bytes={memory_bytes}")
-            if self._room_for(w.nbytes):
+            if self.resident_bytes + w.nbytes <= memory_bytes:  # the first ones that fit
                 self._install(w)
         log.info("LoRA adapters: %s (%d resident)", ", ".join(self.specs) or "none",
                  len(self.resident))
