@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,20 @@ class StageSummary:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
+    started_at: datetime | None = None  # the first of its jobs to start on a worker
+    finished_at: datetime | None = None  # the last of its jobs to finish
+
+    def add_job(self, info: JobInfo) -> None:
+        """Count a finished job's tokens and times."""
+        if info.result is not None:
+            usage = info.result.usage
+            self.prompt_tokens += usage.prompt_tokens
+            self.cached_prompt_tokens += usage.cached_prompt_tokens
+            self.generated_tokens += usage.completion_tokens
+        if info.started_at is not None:
+            self.started_at = min(filter(None, (self.started_at, info.started_at)))
+        if info.finished_at is not None:
+            self.finished_at = max(filter(None, (self.finished_at, info.finished_at)))
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -75,12 +90,23 @@ class PipelineResult:
         return to_dataset(self.records())
 
     def table(self) -> str:
-        """The summary as a text table, a line per stage."""
+        """The summary as a text table, a line per stage; ``active s``: from its first job's
+        start to its last job's end, in seconds from the first start of any stage (the
+        stages overlap: no barrier)."""
+        starts = [s.started_at for s in self.summary.values() if s.started_at]
+        zero = min(starts) if starts else None
+
+        def active(s: StageSummary) -> str:
+            if zero is None or s.started_at is None or s.finished_at is None:
+                return "-"
+            return (f"{(s.started_at - zero).total_seconds():.1f}-"
+                    f"{(s.finished_at - zero).total_seconds():.1f}")
+
         head = ("stage", "in", "out", "filtered", "failed", "retried", "prompt", "generated",
-                "cache hit")
+                "active s", "cache hit")
         lines = [head] + [(name, *(str(getattr(s, f)) for f in (
             "rows_in", "rows_out", "filtered", "failed", "retried", "prompt_tokens",
-            "generated_tokens")), f"{s.prefix_cache_hit_rate:.0%}")
+            "generated_tokens")), active(s), f"{s.prefix_cache_hit_rate:.0%}")
             for name, s in self.summary.items()]
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))
@@ -200,11 +226,7 @@ class PipelineRun:
 
     def _done(self, task: _Task, info: JobInfo) -> None:
         stage, summary = task.stage, self.result.summary[task.stage.name]
-        if info.result is not None:
-            usage = info.result.usage
-            summary.prompt_tokens += usage.prompt_tokens
-            summary.cached_prompt_tokens += usage.cached_prompt_tokens
-            summary.generated_tokens += usage.completion_tokens
+        summary.add_job(info)
         if info.status is not JobStatus.SUCCEEDED or info.result is None:
             self._fail(task, info.error or info.status.value)
             return

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import datasets
@@ -21,10 +22,12 @@ import sqlalchemy as sa
 from datasets import Dataset
 from pipeline_qa import KEEP_AT_LEAST, Questions, Score, build
 from pydantic import ValidationError
+from services import SOAK
 
 from jobs import Pipeline
 from jobs.constants import DEFAULT_MODEL
 from jobs.pipeline_output import ParquetSink, arrow_table
+from jobs.pipeline_run import PipelineResult, StageSummary
 from jobs.sdk import Client
 from worker.cli import main
 
@@ -169,11 +172,15 @@ def _finished(client: Client, pipeline: str, stage: str) -> int:
             {"b": f"{pipeline}.{stage}.%"}).scalar_one()
 
 
-@pytest.mark.parametrize(("n", "seqs"), [(30, 4), pytest.param(2000, 32, marks=pytest.mark.slow)])
+FULL_SIZE = pytest.param(2000, 32, marks=[pytest.mark.slow, pytest.mark.skipif(
+    not SOAK, reason="2,000 rows take 200 s: KVBATCH_SOAK=1")])
+
+
+@pytest.mark.parametrize(("n", "seqs"), [(30, 4), FULL_SIZE])
 def test_a_driver_killed_in_stage_2_resumes_to_the_rows_of_an_uninterrupted_run(  # type: ignore[no-untyped-def]
         client: Client, start_worker, tmp_path: Path, cli_env: dict[str, str],
         cli_args: list[str], capsys: pytest.CaptureFixture[str], n: int, seqs: int) -> None:
-    """``n`` source rows (2,000 in the slow run: its figures are in bench/RESULTS.md)."""
+    """``n`` source rows (2,000 with ``KVBATCH_SOAK=1``: its figures are in bench/RESULTS.md)."""
     # batch-invariant: a job's tokens do not depend on what shares its steps, so two runs give
     # the same outputs at temperature 0 while `seqs` rows run at once
     start_worker(max_num_seqs=seqs, waiting_buffer=seqs, batch_invariant=True)
@@ -314,7 +321,8 @@ def test_the_example_on_the_real_model_keeps_rows_that_validate_and_loads_as_a_d
     start_worker(model=DEFAULT_MODEL, served_model_name=DEFAULT_MODEL, num_kv_blocks=512)
     scope = _run_example(services, monkeypatch, tmp_path)
     result, summary = scope["result"], scope["result"].summary
-    print(result.table(), file=sys.stderr)  # the figures docs/pipelines.md quotes (pytest -s)
+    with capsys.disabled():  # the figures docs/pipelines.md quotes (pytest -s)
+        print(f"\n{result.table()}")
     assert summary["questions"].rows_out == 3 and summary["judge"].rows_out == len(result.rows)
     assert result.rows, result.table()
     for row in result.rows:  # every kept row validates against its formats
@@ -375,6 +383,25 @@ def test_parquet_columns_are_every_rows_fields_and_a_field_of_two_types_is_named
     stopped.write({"a": 1})
     stopped.close(finished=False)  # a run that did not reach its end writes no file
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_summary_table_shows_each_stage_and_when_it_was_active() -> None:
+    at = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    result = PipelineResult(summary={
+        "gen": StageSummary(rows_in=4, rows_out=3, failed=1, prompt_tokens=80,
+                            cached_prompt_tokens=20, generated_tokens=12,
+                            started_at=at + timedelta(seconds=1),
+                            finished_at=at + timedelta(seconds=9.25)),
+        "judge": StageSummary(rows_in=3, rows_out=1, filtered=2, retried=1, prompt_tokens=30,
+                              started_at=at + timedelta(seconds=2.5),
+                              finished_at=at + timedelta(seconds=12)),
+        "idle": StageSummary()})
+    assert [line.split() for line in result.table().splitlines()] == [
+        ["stage", "in", "out", "filtered", "failed", "retried", "prompt", "generated",
+         "active", "s", "cache", "hit"],
+        ["gen", "4", "3", "0", "1", "0", "80", "12", "0.0-8.2", "25%"],
+        ["judge", "3", "1", "2", "0", "1", "30", "0", "1.5-11.0", "0%"],
+        ["idle", "0", "0", "0", "0", "0", "0", "0", "-", "0%"]]
 
 
 def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
