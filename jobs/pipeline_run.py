@@ -146,20 +146,21 @@ class PipelineRun:
                      for i, s in enumerate(pipeline.stages)}
         self.output: RecordSink | None = None
         self.errors: RecordSink | None = None
+        self.finished = False  # every job followed to its end
 
     def run(self, output: str | Path | None, errors: str | Path | None,
             timeout_s: float | None) -> PipelineResult:
         """Submit the first stages' rows, then follow every job to its end, feeding each
         done row to the stages it feeds (the arguments are ``Pipeline.run``'s)."""
-        finished = False
         with contextlib.ExitStack() as stack:
             for bar in self.bars.values():
                 stack.callback(bar.close)
-            for name, path in (("output", output), ("errors", errors)):
-                if path is not None:
-                    sink = open_sink(path)
-                    setattr(self, name, sink)
-                    stack.callback(lambda sink=sink: sink.close(finished))
+            if output is not None:
+                self.output = open_sink(output)
+                stack.callback(self._close, self.output)
+            if errors is not None:
+                self.errors = open_sink(errors)
+                stack.callback(self._close, self.errors)
             jobs = self.client.jobs
             for stage in self.pipeline.stages:
                 if stage.source is None:
@@ -170,8 +171,11 @@ class PipelineRun:
                 for info in infos:
                     self._done(self.pending.pop(info.id), info)
                 self._flush()  # what they feed: a submission per stage and try
-            finished = True
+            self.finished = True
         return self.result
+
+    def _close(self, sink: RecordSink) -> None:
+        sink.close(self.finished)
 
     def _enter(self, stage: Stage, rows: Iterable[RowDict], lineage: dict[str, str],
                parent_key: str) -> None:

@@ -385,6 +385,16 @@ def test_parquet_columns_are_every_rows_fields_and_a_field_of_two_types_is_named
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_that_does_not_reach_its_end_writes_no_parquet_file(client: Client,
+                                                                   tmp_path: Path) -> None:
+    p = Pipeline("unfinished")  # no worker runs: its jobs wait
+    p.stage("gen", source=[{"i": 0}], prompt=lambda r: "hi", max_tokens=2)
+    with pytest.raises(TimeoutError, match="1 jobs not finished"):
+        p.run(client, output=tmp_path / "out.parquet", errors=tmp_path / "err.jsonl",
+              timeout_s=0.5)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["err.jsonl"]  # JSONL as it went
+
+
 def test_the_summary_table_shows_each_stage_and_when_it_was_active() -> None:
     at = datetime(2026, 1, 1, 12, tzinfo=UTC)
     result = PipelineResult(summary={
