@@ -13,7 +13,7 @@ CUDA, the Triton kernels of ``kernels.lora_triton`` (one program per row and out
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,19 @@ class LoRAMapping:
 
     index: torch.Tensor
     segments: tuple[tuple[int, slice | torch.Tensor], ...]
+    # Row masks of the concatenated path by column layout, made once per step (every layer's
+    # projection of one kind has the same layout).
+    _masks: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def mask(self, layout: tuple[object, ...], col_slot: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+        """``[T, C]``: 1 where column ``c`` belongs to row ``t``'s slot (``col_slot[c] ==
+        index[t]``), else 0; ``layout`` names ``col_slot``'s contents."""
+        key = (*layout, dtype)
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = (self.index[:, None] == col_slot[None, :]).to(dtype)
+        return m
 
     @classmethod
     def of(cls, slots: np.ndarray, device: torch.device) -> LoRAMapping | None:
@@ -75,7 +88,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: SlotWeights,
             continue
         a, b = pair
         if isinstance(rows, slice):
-            y[rows] += F.linear(F.linear(x[rows], a), b)
+            torch.addmm(y[rows], F.linear(x[rows], a), b.t(), out=y[rows])
         else:
             y.index_add_(0, rows, F.linear(F.linear(x[rows], a), b))
     return y
@@ -108,7 +121,8 @@ class LoRASlots:
 
     weights: SlotWeights
     stacked: tuple[torch.Tensor, torch.Tensor] | None = None
-    _concat: tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _concat: tuple[tuple[int, ...], tuple[object, ...], torch.Tensor, torch.Tensor,
+                   torch.Tensor] | None = None
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``y`` plus each row's adapter product."""
@@ -123,9 +137,13 @@ class LoRASlots:
             col_slot = torch.cat([torch.full((p[0].shape[0],), s, dtype=torch.int32)
                                   for s, p in zip(present, pairs, strict=True)
                                   if p is not None]).to(a.device)
-            self._concat = (key, a, b, col_slot)
-        _, a, b, col_slot = self._concat
-        return add_lora_concat(x, y, a, b, col_slot, mapping.index)
+            layout = tuple((s, p[0].shape[0]) for s, p in zip(present, pairs, strict=True)
+                           if p is not None)
+            self._concat = (key, layout, a, b, col_slot)
+        _, layout, a, b, col_slot = self._concat
+        shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
+        shrunk *= mapping.mask(layout, col_slot, shrunk.dtype)
+        return torch.addmm(y, shrunk, b.t(), out=y)
 
 
 def add_lora_concat(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
