@@ -444,7 +444,7 @@ def test_an_interrupted_command_says_how_to_resume(  # type: ignore[no-untyped-d
         time.sleep(0.05)
     driver.send_signal(signal.SIGINT)
     _, err = driver.communicate(timeout=30)
-    assert driver.returncode == 130
+    assert driver.returncode == 130, err
     assert err.splitlines()[-1] == ("interrupted: the jobs keep running; run the same command "
                                     "again to resume")
     assert _count(client, "stopped") == {"questions": 2}
