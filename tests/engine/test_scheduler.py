@@ -298,6 +298,10 @@ def test_random_streams_finish_without_leaks(
         assert sched.kv.host_pool.num_free_blocks == swap_blocks
     for seq in families:
         assert seq.num_output_tokens == seq.params.max_tokens
+    # Each preemption counts once, in the step's counters and in its request's figures (the
+    # samples of a request share them), however often the same request was preempted.
+    per_request = {id(seq.metrics): seq.metrics.num_preemptions for seq in families}
+    assert sum(per_request.values()) == sched.counters.num_preemptions
 
 
 def _check_invariants(sched: Scheduler) -> None:
