@@ -19,6 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# Most rows a step may have for the concatenated path: past it, each row computing every
+# adapter's shrink costs more than two matmuls per adapter on its own rows (prefill steps).
+CONCAT_MAX_ROWS = 32
 # slot -> (A [r, in], B [out, r]) of the adapters that adapt a projection (None: it does not)
 SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -113,10 +116,12 @@ class LoRASlots:
     """One projection's adapters, by slot: what ``add_lora`` reads (``weights``, and
     ``stacked`` on CUDA). Kept on the projection's module by ``engine.lora``.
 
-    On the CPU a step whose rows use several adapters runs them as one shrink and one expand
-    (``add_lora_concat``) over the present adapters' weights concatenated along the rank: a
-    few large matmuls rather than two per adapter, each adapter's weights still read once. The
-    concatenation is kept for the next step with the same adapters.
+    On the CPU a step of at most ``CONCAT_MAX_ROWS`` rows (decodes) that use several adapters
+    runs them as one shrink and one expand over the present adapters' weights concatenated
+    along the rank, each row masked to its own adapter's columns: a few large matmuls rather
+    than two per adapter, each adapter's weights still read once. The concatenation is kept for
+    the next step with the same adapters. Larger steps run two matmuls per adapter on its own
+    rows.
     """
 
     weights: SlotWeights
@@ -127,7 +132,8 @@ class LoRASlots:
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``y`` plus each row's adapter product."""
         present = tuple(s for s, _ in mapping.segments if self.weights[s] is not None)
-        if len(present) < 2 or (self.stacked is not None and x.is_cuda):
+        if (len(present) < 2 or x.shape[0] > CONCAT_MAX_ROWS
+                or (self.stacked is not None and x.is_cuda)):
             return add_lora(x, y, self.weights, self.stacked, mapping)
         key = tuple(v for s in present for v in (s, id(self.weights[s])))
         if self._concat is None or self._concat[0] != key:
@@ -144,14 +150,3 @@ class LoRASlots:
         shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
         shrunk *= mapping.mask(layout, col_slot, shrunk.dtype)
         return torch.addmm(y, shrunk, b.t(), out=y)
-
-
-def add_lora_concat(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    col_slot: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``add_lora`` for several adapters at once, in place on ``y``: ``a`` (``[C, in]``) and
-    ``b`` (``[out, C]``) hold the adapters' weights side by side along the rank, column ``c``
-    belonging to slot ``col_slot[c]``; each row keeps only its own slot's columns of the
-    shrink before the expand."""
-    shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
-    shrunk *= index[:, None] == col_slot[None, :]
-    return torch.addmm(y, shrunk, b.t(), out=y)

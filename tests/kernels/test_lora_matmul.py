@@ -20,6 +20,8 @@ CASES = [
     ([-1], 13, 7, (8,), torch.float32),  # one base row: nothing added
     ([1], 13, 7, (3, 5), torch.float32),  # one row, the larger rank
     ([2, 2, 2, 2, 2, 0, 1, 1, 0, -1, -1, 2], 80, 130, (16, 8, 1), torch.float32),
+    # more rows than the CPU's concatenated path takes: two matmuls per adapter on its rows
+    ([i % 4 - 1 for i in range(40)], 24, 40, (8, 16, 4), torch.float32),
     ([0, -1, 1, 1], 64, 64, (16, 8), torch.float16),
     ([1, 0, 0, -1, 1], 33, 50, (8, 16), torch.bfloat16),
 ]
@@ -57,7 +59,7 @@ def test_triton_matches_reference(slots, in_features, out_features, ranks, dtype
         assert not torch.equal(got[adapted], y[adapted])
 
 
-@pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"), CASES[:4])
+@pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"), CASES[:5])
 def test_cpu_path_matches_reference(slots, in_features, out_features, ranks, dtype):
     # The CPU path reads each slot's unpadded weights, rows by segment (a slice when they are
     # contiguous, an index otherwise).
