@@ -26,7 +26,15 @@ from jobs.feed import Feeder
 from jobs.follow import Follower, NoticeHub
 from jobs.limits import JobLimits
 from jobs.queue import JobQueue, live_adapters, live_workers, publish_done, signal_cancel
-from jobs.schemas import BatchStatus, JobInfo, JobSpec, JobStatus, encode_job, queue_model
+from jobs.schemas import (
+    ADAPTER_SEPARATOR,
+    BatchStatus,
+    JobInfo,
+    JobSpec,
+    JobStatus,
+    encode_job,
+    queue_model,
+)
 from jobs.stats import Stats, aggregate
 from jobs.store import BatchStore, FeedStore, JobReader, ProducerStore
 
@@ -36,6 +44,9 @@ T = TypeVar("T")
 
 ANALYZE_AFTER_ROWS = 50_000  # a bulk load this large refreshes the planner's statistics
 
+
+# How long JobClient keeps the bare names of live workers' LoRA adapters before looking again.
+ALIAS_REFRESH_S = 1.0
 
 class JobClient:
     """Submit and follow jobs.
@@ -67,6 +78,7 @@ class JobClient:
         self._feeders: dict[str, Feeder] = {}
         self.limits = JobLimits()
         self._behind = threading.local()  # store_behind's thread and chunk in flight
+        self._aliases: tuple[float, dict[str, str]] | None = None  # (when, _adapter_aliases)
 
     def close(self) -> None:
         """Release the Redis and database connections."""
@@ -134,12 +146,36 @@ class JobClient:
         stream at once; otherwise they join the backlog and the feeder (``jobs.feed``) moves
         them when there is room, in priority and fair-share order. Within
         :meth:`store_behind`, another thread does it."""
+        specs = self._resolve_adapters(specs)
         pool = getattr(self._behind, "pool", None)
         if pool is None:
             self._store(specs, webhook_url, deadline, fence)
         else:
             self._settle()
             self._behind.pending = pool.submit(self._store, specs, webhook_url, deadline, fence)
+
+    def _resolve_adapters(self, specs: Sequence[JobSpec]) -> Sequence[JobSpec]:
+        # A job naming a LoRA adapter by its bare name (as vLLM's --lora-modules) gets the
+        # name <model>:<adapter> of the one live model serving it, so it joins that queue.
+        aliases = self._adapter_aliases()
+        if not aliases or not any(s.model in aliases for s in specs):
+            return specs
+        return [s.model_copy(update={"model": aliases[s.model]}) if s.model in aliases else s
+                for s in specs]
+
+    def _adapter_aliases(self) -> dict[str, str]:
+        """Bare adapter name -> ``<model>:<adapter>`` for the adapters of live workers that
+        one model serves and no model is named as (looked up at most every
+        :data:`ALIAS_REFRESH_S`)."""
+        now = time.monotonic()
+        if self._aliases is None or now - self._aliases[0] > ALIAS_REFRESH_S:
+            bases = set(live_workers(self.redis, self.keys).values())
+            by_name: dict[str, set[str]] = defaultdict(set)
+            for full in live_adapters(self.redis, self.keys):
+                by_name[full.partition(ADAPTER_SEPARATOR)[2]].add(full)
+            self._aliases = (now, {name: min(full) for name, full in by_name.items()
+                                   if len(full) == 1 and name not in bases})
+        return self._aliases[1]
 
     def _store(self, specs: Sequence[JobSpec], webhook_url: str | None,
                deadline: datetime | None, fence: int | None) -> None:
@@ -273,10 +309,10 @@ class JobClient:
         return model in self.served_models()
 
     def served_models(self) -> set[str]:
-        """The models live workers serve, their LoRA adapters (``<model>:<adapter>``)
-        included."""
-        return set(live_workers(self.redis, self.keys).values()) | live_adapters(self.redis,
-                                                                                 self.keys)
+        """The models live workers serve, their LoRA adapters included: as
+        ``<model>:<adapter>``, and by the adapter's name alone where one model serves it."""
+        return (set(live_workers(self.redis, self.keys).values())
+                | live_adapters(self.redis, self.keys) | set(self._adapter_aliases()))
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:

@@ -52,7 +52,12 @@ def test_adapter_jobs_run_with_their_adapter(redis_client: redis.Redis, keys: Ke
     assert bad.status is JobStatus.FAILED
     assert bad.error == ("unknown model 'tiny:nope': this queue is served by 'tiny' and its "
                          "LoRA adapters sql, chat")
-    assert client.served_models() == {MODEL, f"{MODEL}:sql", f"{MODEL}:chat"}
+    assert client.served_models() == {MODEL, f"{MODEL}:sql", f"{MODEL}:chat", "sql", "chat"}
+    # By the adapter's name alone (as vLLM's --lora-modules): the live model serving it.
+    (bare,) = client.wait(client.submit([JobSpec(model="sql", raw_prompt=prompts[1],
+                                                 sampling=SAMPLING)]), timeout_s=60)
+    assert bare.status is JobStatus.SUCCEEDED and bare.model == f"{MODEL}:sql"
+    assert bare.result.token_ids == infos[1].result.token_ids
     assert running.stop() == 0
 
 
