@@ -347,3 +347,16 @@ def test_update_decides_each_tokens_fate_in_one_pass() -> None:
     parent, child = sched.requests["r2"].seqs
     assert parent is c and (child.index, child.output_token_ids) == (1, [NEXT_TOKEN])
     assert not c.is_finished and sched.running == [b, c, child]
+
+
+def test_forked_samples_run_right_after_their_parent() -> None:
+    """Samples forked at a request's first token take the seats after their parent, in index
+    order, ahead of the requests admitted after it (the order preemption reads backwards)."""
+    sched = make_scheduler()
+    a = add(sched, list(range(20)), max_tokens=3, n=3)
+    b = add(sched, list(range(40, 60)), max_tokens=3)
+    step(sched)
+    a1, a2 = [s for s in sched.requests[a.request_id].seqs if s is not a]
+    assert sched.running == [a, a1, a2, b]
+    assert [s.index for s in (a, a1, a2)] == [0, 1, 2]
+    assert a1.token_ids == a2.token_ids == a.token_ids == [*range(20), NEXT_TOKEN]
