@@ -54,18 +54,16 @@ class Sampler:
         structured: StructuredOutput | None = None,
     ) -> None:
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
-        self._device_generators: dict[torch.device, torch.Generator] = {}
+        self._generators: dict[torch.device, torch.Generator] = {}
         self.argmax = argmax
         self.structured = structured
 
     def generator_on(self, device: torch.device) -> torch.Generator:
         """The engine's generator for rows without a seed of their own, on ``device``."""
-        if device.type == "cpu":
-            return self.generator
-        if device not in self._device_generators:
-            self._device_generators[device] = torch.Generator(device).manual_seed(self.seed)
-        return self._device_generators[device]
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = self._generators[device] = torch.Generator(device).manual_seed(self.seed)
+        return generator
 
     def start_masks(self, rows: list[SampleRow]) -> Future[torch.Tensor] | None:
         """Start filling the grammar masks of ``rows`` (None when none is constrained): call
