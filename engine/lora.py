@@ -14,12 +14,14 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from engine.lora_config import TARGET_MODULES, WEIGHTS_FILE, LoRAConfig, LoRASpec
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from kernels.lora import LoRASlots
 
 log = logging.getLogger(__name__)
@@ -35,10 +37,11 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
                   r"(\w+)\.lora_([AB])\.weight$")
 
 
-def projections(model: nn.Module) -> dict[tuple[int, str], nn.Linear]:
+def projections(model: LlamaForCausalLM) -> dict[tuple[int, str], nn.Linear]:
     """(layer, fused projection name) -> its linear module, for every adaptable projection."""
     found: dict[tuple[int, str], nn.Linear] = {}
-    for i, layer in enumerate(model.layers):  # type: ignore[union-attr]
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer, module)
         found[i, "qkv_proj"] = layer.self_attn.qkv_proj
         found[i, "o_proj"] = layer.self_attn.o_proj
         found[i, "gate_up_proj"] = layer.mlp.gate_up_proj
@@ -46,10 +49,10 @@ def projections(model: nn.Module) -> dict[tuple[int, str], nn.Linear]:
     return found
 
 
-def part_sizes(model: nn.Module, name: str, out_features: int) -> list[int]:
+def part_sizes(model: LlamaForCausalLM, name: str, out_features: int) -> list[int]:
     """Output columns of each Hugging Face part of fused projection ``name``."""
     if name == "qkv_proj":
-        kv = model.num_kv_heads * model.head_dim  # type: ignore[operator]
+        kv = model.num_kv_heads * model.head_dim
         return [out_features - 2 * kv, kv, kv]
     if name == "gate_up_proj":
         return [out_features // 2, out_features // 2]
@@ -70,7 +73,7 @@ class LoRAWeights:
         return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
 
 
-def load_adapter(spec: LoRASpec, model: nn.Module) -> LoRAWeights:
+def load_adapter(spec: LoRASpec, model: LlamaForCausalLM) -> LoRAWeights:
     """Read ``spec``'s PEFT adapter for ``model`` (its safetensors read directly).
 
     Raises:
@@ -123,7 +126,7 @@ def load_adapter(spec: LoRASpec, model: nn.Module) -> LoRAWeights:
     if raw:
         layer, part = next(iter(raw))
         raise ValueError(f"{path}: layer {layer} is not in the model "
-                         f"({len(model.layers)} layers)")  # type: ignore[arg-type]
+                         f"({len(model.layers)} layers)")
     return LoRAWeights(spec.name, config, weights)
 
 
@@ -150,7 +153,8 @@ class LoRAManager:
     unpinned ones least recently used first, when the budget needs room); ``release`` unpins.
     """
 
-    def __init__(self, specs: tuple[LoRASpec, ...], model: nn.Module, memory_bytes: int) -> None:
+    def __init__(self, specs: tuple[LoRASpec, ...], model: LlamaForCausalLM,
+                 memory_bytes: int) -> None:
         self.model = model
         self.specs = {s.name: s for s in specs}
         self.memory_bytes = memory_bytes
@@ -160,6 +164,10 @@ class LoRAManager:
         self.pins: dict[str, int] = {}
         self.num_loads = 0
         self._linears = projections(model)
+        # Each projection's slots, also set on its module as ``lora`` (what the model reads).
+        self._holders = {key: LoRASlots([]) for key in self._linears}
+        for key, linear in self._linears.items():
+            setattr(linear, "lora", self._holders[key])  # noqa: B010 (not a declared attribute)
         self._sizes: dict[str, int] = {}
         for spec in specs:  # fail fast: every adapter loads, and fits the budget on its own
             w = load_adapter(spec, model)
@@ -226,11 +234,7 @@ class LoRAManager:
         self.slots[slot], self.slot_of[w.name] = w.name, slot
         self.resident[w.name] = w
         self.num_loads += 1
-        for key, linear in self._linears.items():
-            holder = getattr(linear, "lora", None)
-            if holder is None:
-                holder = LoRASlots([])
-                linear.lora = holder  # type: ignore[assignment]
+        for key, holder in self._holders.items():
             holder.weights += [None] * (len(self.slots) - len(holder.weights))
             holder.weights[slot] = w.weights.get(key)
         self._restack()
@@ -239,14 +243,14 @@ class LoRAManager:
         slot = self.slot_of.pop(name)
         self.slots[slot] = None
         del self.resident[name]
-        for linear in self._linears.values():
-            linear.lora.weights[slot] = None  # type: ignore[union-attr]
+        for holder in self._holders.values():
+            holder.weights[slot] = None
         self._restack()
 
     def _restack(self) -> None:
         # The Triton path reads every slot from one zero-padded tensor per projection.
-        for linear in self._linears.values():
-            holder: LoRASlots = linear.lora  # type: ignore[assignment]
+        for key, holder in self._holders.items():
+            linear = self._linears[key]
             pairs = [p for p in holder.weights if p is not None]
             if linear.weight.device.type != "cuda" or not pairs:
                 holder.stacked = None

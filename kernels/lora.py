@@ -143,8 +143,8 @@ class LoRASlots:
             col_slot = torch.cat([torch.full((p[0].shape[0],), s, dtype=torch.int32)
                                   for s, p in zip(present, pairs, strict=True)
                                   if p is not None]).to(a.device)
-            layout = tuple((s, p[0].shape[0]) for s, p in zip(present, pairs, strict=True)
-                           if p is not None)
+            layout: tuple[object, ...] = tuple(
+                (s, p[0].shape[0]) for s, p in zip(present, pairs, strict=True) if p is not None)
             self._concat = (key, layout, a, b, col_slot)
         _, layout, a, b, col_slot = self._concat
         shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
