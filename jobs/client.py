@@ -78,7 +78,8 @@ class JobClient:
         self._feeders: dict[str, Feeder] = {}
         self.limits = JobLimits()
         self._behind = threading.local()  # store_behind's thread and chunk in flight
-        self._aliases: tuple[float, dict[str, str]] | None = None  # (when, _adapter_aliases)
+        # (when, live models, _adapter_aliases) as last looked up
+        self._aliases: tuple[float, set[str], dict[str, str]] | None = None
 
     def close(self) -> None:
         """Release the Redis and database connections."""
@@ -157,25 +158,28 @@ class JobClient:
     def _resolve_adapters(self, specs: Sequence[JobSpec]) -> Sequence[JobSpec]:
         # A job naming a LoRA adapter by its bare name (as vLLM's --lora-modules) gets the
         # name <model>:<adapter> of the one live model serving it, so it joins that queue.
-        aliases = self._adapter_aliases()
+        # Looked up again at once for a name that is neither a live model nor a known adapter.
+        known = self._aliases[1] | set(self._aliases[2]) if self._aliases else set()
+        fresh = any(s.model not in known and ADAPTER_SEPARATOR not in s.model for s in specs)
+        aliases = self._adapter_aliases(fresh)
         if not aliases or not any(s.model in aliases for s in specs):
             return specs
         return [s.model_copy(update={"model": aliases[s.model]}) if s.model in aliases else s
                 for s in specs]
 
-    def _adapter_aliases(self) -> dict[str, str]:
+    def _adapter_aliases(self, fresh: bool = False) -> dict[str, str]:
         """Bare adapter name -> ``<model>:<adapter>`` for the adapters of live workers that
-        one model serves and no model is named as (looked up at most every
+        one model serves and no model is named as (unless ``fresh``, looked up at most every
         :data:`ALIAS_REFRESH_S`)."""
         now = time.monotonic()
-        if self._aliases is None or now - self._aliases[0] > ALIAS_REFRESH_S:
+        if fresh or self._aliases is None or now - self._aliases[0] > ALIAS_REFRESH_S:
             bases = set(live_workers(self.redis, self.keys).values())
             by_name: dict[str, set[str]] = defaultdict(set)
             for full in live_adapters(self.redis, self.keys):
                 by_name[full.partition(ADAPTER_SEPARATOR)[2]].add(full)
-            self._aliases = (now, {name: min(full) for name, full in by_name.items()
-                                   if len(full) == 1 and name not in bases})
-        return self._aliases[1]
+            self._aliases = (now, bases, {name: min(full) for name, full in by_name.items()
+                                          if len(full) == 1 and name not in bases})
+        return self._aliases[2]
 
     def _store(self, specs: Sequence[JobSpec], webhook_url: str | None,
                deadline: datetime | None, fence: int | None) -> None:
@@ -312,7 +316,7 @@ class JobClient:
         """The models live workers serve, their LoRA adapters included: as
         ``<model>:<adapter>``, and by the adapter's name alone where one model serves it."""
         return (set(live_workers(self.redis, self.keys).values())
-                | live_adapters(self.redis, self.keys) | set(self._adapter_aliases()))
+                | live_adapters(self.redis, self.keys) | set(self._adapter_aliases(fresh=True)))
 
     def follower(self, job_ids: Collection[str], timeout_s: float | None = None,
                  poll_interval_s: float = 1.0, batch_id: str | None = None) -> Follower:

@@ -32,6 +32,7 @@ def test_adapter_jobs_run_with_their_adapter(redis_client: redis.Redis, keys: Ke
     models = [MODEL, f"{MODEL}:sql", f"{MODEL}:chat"] * 2
     specs = [JobSpec(model=m, raw_prompt=p, sampling=SAMPLING)
              for m, p in zip(models, prompts, strict=True)]
+    specs.append(JobSpec(model=f"{MODEL}:sql", embed={"input": ["x"]}))
     specs.append(JobSpec(model=f"{MODEL}:nope", raw_prompt="x", sampling=SAMPLING))
     ids = client.submit(specs)
     running = start_worker(lora=lora)
@@ -43,11 +44,15 @@ def test_adapter_jobs_run_with_their_adapter(redis_client: redis.Redis, keys: Ke
                                     lora=lora))
     adapters = [None if m == MODEL else m.split(":")[1] for m in models]
     want = engine.generate(prompts, SamplingParams(**SAMPLING), lora=adapters)
-    for info, out, model in zip(infos[:-1], want, models, strict=True):
+    for info, out, model in zip(infos[:-2], want, models, strict=True):
         assert info.status is JobStatus.SUCCEEDED, (model, info.error)
         assert info.result.token_ids == out.outputs[0].token_ids, model
         assert info.model == model  # as the job named it (its queue is the base model's)
     assert infos[0].result.token_ids != infos[1].result.token_ids  # the adapter changed it
+    embed = infos[-2]
+    assert embed.status is JobStatus.FAILED
+    assert embed.error == ("embedding jobs run on the base model ('tiny'), not a LoRA adapter "
+                           "('tiny:sql')")
     bad = infos[-1]
     assert bad.status is JobStatus.FAILED
     assert bad.error == ("unknown model 'tiny:nope': this queue is served by 'tiny' and its "
