@@ -1,0 +1,214 @@
+"""The result writer (``worker.persist.ResultWriter``) on real Redis and PostgreSQL: what it
+stores, in which order it stores and acknowledges, what a database outage keeps, and the
+fallbacks of a result the database refuses, checked on the stored values."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import sqlalchemy as sa
+from services import all_roles_store, wait_until
+
+from jobs.client import JobClient
+from jobs.constants import CONSUMER_GROUP, Keys
+from jobs.queue import Delivery, JobQueue
+from jobs.schemas import JobResult, JobSpec, JobStats, JobStatus, Outcome
+from jobs.store import DeliveryStore
+from worker.metrics import WorkerMetrics
+from worker.outbox import Outbox
+from worker.persist import ResultWriter
+from worker.retry import RedisBackoff
+
+SQL = all_roles_store()
+MODEL = "tiny"
+
+
+def _pending(client: redis.Redis, q: JobQueue) -> int:
+    return sum(int(client.xpending(s, CONSUMER_GROUP)["pending"]) for s in q.streams
+               if client.exists(s))
+
+
+def _finished(metrics: WorkerMetrics, status: str) -> float:
+    return metrics.registry.get_sample_value(
+        "kvbatch_jobs_total", {"model_name": MODEL, "status": status}) or 0.0
+
+
+class _Setup:
+    def __init__(self, redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, n: int,
+                 writer_id: str = "w1", after_commit=None) -> None:  # type: ignore[no-untyped-def]
+        self.redis, self.keys = redis_client, keys
+        self.client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+        self.specs = [JobSpec(model=MODEL, prompt=f"job {i}") for i in range(n)]
+        self.client.submit(self.specs)
+        self.q = JobQueue(redis_client, MODEL, keys)
+        self.q.ensure_group()
+        self.store = DeliveryStore(pg_engine)
+        self.deliveries: dict[str, Delivery] = {
+            d.job_id: d for d in self.q.read("w1", 100) if d.job_id is not None}
+        self.store.begin_deliveries([s.id for s in self.specs], "w1", 3, time.time())
+        self.metrics = WorkerMetrics(MODEL)
+        self.writer = ResultWriter(self.store, writer_id, Outbox(self.q), RedisBackoff(),
+                                   self.metrics, after_commit=after_commit)
+
+    def pending(self) -> int:
+        return _pending(self.redis, self.q)
+
+    def info(self, job_id: str):  # type: ignore[no-untyped-def]
+        (info,) = self.client.get_many([job_id])
+        return info
+
+    def notice(self, job_id: str) -> str | None:
+        return self.redis.get(self.keys.done(job_id))
+
+
+def _ok(job_id: str, text: str = "out", **kw) -> Outcome:  # type: ignore[no-untyped-def]
+    return Outcome(job_id, JobStatus.SUCCEEDED, time.time(),
+                   result=JobResult(text=text, token_ids=[1, 2], finish_reason="length"), **kw)
+
+
+def test_outcomes_are_stored_with_their_values_then_acked_and_announced(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    seen: list[tuple[int, int, bool, list[str]]] = []
+
+    def after_commit() -> None:  # stored, none acknowledged nor announced yet
+        seen.append((s.pending(), len(s.writer), bool(s.writer),
+                     [s.info(x.id).status.value for x in s.specs]))
+
+    s = _Setup(redis_client, keys, pg_engine, 3, after_commit=after_commit)
+    ok, failed, dup = s.specs
+    # A duplicate: already terminal when this writer stores it (stored by another worker).
+    s.store.finish([_ok(dup.id, "first")], worker_id="w0")
+    s.writer.add(_ok(ok.id, "hello", stats=JobStats(prompt_tokens=7, generated_tokens=2)),
+                 s.deliveries[ok.id])
+    s.writer.add(Outcome(failed.id, JobStatus.FAILED, time.time(), error="boom"),
+                 s.deliveries[failed.id])
+    s.writer.add(_ok(dup.id, "second"), s.deliveries[dup.id])
+    s.writer.add(_ok("0" * 32), None)  # no delivery (unknown job): nothing to ack
+    assert len(s.writer) == 4 and s.writer
+    s.writer.flush()
+    assert seen == [(3, 4, True, ["succeeded", "failed", "succeeded"])]
+    assert (s.pending(), len(s.writer), bool(s.writer)) == (0, 0, False)
+    assert s.q.depth() == (0, 0)
+    a, f, d = (s.info(x.id) for x in s.specs)
+    assert (a.status, a.result.text, a.result.token_ids, a.worker_id, a.error) == (
+        JobStatus.SUCCEEDED, "hello", [1, 2], "w1", None)
+    assert (a.stats.prompt_tokens, a.stats.generated_tokens) == (7, 2)
+    assert (f.status, f.error, f.worker_id) == (JobStatus.FAILED, "boom", "w1")
+    assert (d.result.text, d.worker_id) == ("first", "w0")  # the first outcome stays
+    assert (s.notice(ok.id), s.notice(failed.id), s.notice(dup.id)) == (
+        "succeeded", "failed", None)
+    assert (_finished(s.metrics, "succeeded"), _finished(s.metrics, "failed")) == (1, 1)
+
+
+def test_a_database_outage_keeps_the_outcomes_unacked_and_in_order(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    calls: list[int] = []
+    s = _Setup(redis_client, keys, pg_engine, 2, after_commit=lambda: calls.append(1))
+    first, second = s.specs
+    down = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none",
+                            connect_args={"connect_timeout": 2})
+    s.writer.store = DeliveryStore(down)
+    s.writer.add(_ok(first.id, "one"), s.deliveries[first.id])
+    now = time.time()
+    s.writer.flush(now)
+    s.writer.add(_ok(second.id, "two"), s.deliveries[second.id])
+    assert (len(s.writer), bool(s.writer), s.pending(), calls) == (2, True, 2, [])
+    assert [o.job_id for o, _ in s.writer._unsaved] == [first.id, second.id]
+    assert not s.writer.backoff.ready(now) and s.writer.backoff.failures == 1
+    assert s.info(first.id).status is JobStatus.RUNNING and not s.writer.outbox
+    s.writer.store = DeliveryStore(pg_engine)
+    s.writer.flush(now)  # still backing off: nothing tried
+    assert (len(s.writer), s.pending()) == (2, 2)
+    s.writer.flush(now + 60)
+    assert (len(s.writer), bool(s.writer), s.pending(), calls) == (0, False, 0, [1])
+    assert s.writer.backoff.failures == 0 and s.writer.backoff.ready(now)
+    assert [s.info(x.id).result.text for x in s.specs] == ["one", "two"]
+    down.dispose()
+
+
+def test_a_refused_result_falls_back_to_a_failure_with_its_stats_then_to_a_bare_one(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 3)
+    bad_result, bad_stats, good = s.specs
+    finished_at = time.time() - 5
+    # finish_reason's column holds 16 characters: the result is refused, its stats are not.
+    long_reason = JobResult.model_construct(text="x", token_ids=[], finish_reason="r" * 40,
+                                            logprobs=None, choices=[], embeddings=None)
+    s.writer.add(Outcome(bad_result.id, JobStatus.SUCCEEDED, finished_at, result=long_reason,
+                         stats=JobStats(prompt_tokens=5)), s.deliveries[bad_result.id])
+    # prompt_tokens out of the integer column's range: refused with its stats too.
+    s.writer.add(Outcome(bad_stats.id, JobStatus.SUCCEEDED, finished_at,
+                         result=JobResult(text="y"), stats=JobStats(prompt_tokens=2**40)),
+                 s.deliveries[bad_stats.id])
+    s.writer.add(_ok(good.id, "fine", stats=JobStats(prompt_tokens=3)), s.deliveries[good.id])
+    s.writer.flush()
+    assert (len(s.writer), s.pending()) == (0, 0)
+    r, st, g = (s.info(x.id) for x in s.specs)
+    assert (g.status, g.result.text, g.stats.prompt_tokens, g.worker_id) == (
+        JobStatus.SUCCEEDED, "fine", 3, "w1")
+    assert r.status is JobStatus.FAILED and r.error.startswith("could not store the result: ")
+    assert (r.worker_id, r.stats.prompt_tokens) == ("w1", 5)
+    assert r.finished_at is not None and abs(r.finished_at.timestamp() - finished_at) < 1e-3
+    assert st.status is JobStatus.FAILED and st.error.startswith("could not store the result: ")
+    assert st.stats.prompt_tokens == 0  # the bare failure: no stats
+    # Each is announced once stored (the notice names the status the worker meant to store).
+    assert all(s.notice(x.id) is not None for x in s.specs)
+    assert sum(_finished(s.metrics, status) for status in ("failed", "succeeded")) == 3
+
+
+def test_a_worker_id_the_database_refuses_is_dropped_from_the_bare_failure(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    # The writer's id is over the column's 128 characters: only the bare failure, which
+    # leaves the worker id the delivery recorded, is stored.
+    s = _Setup(redis_client, keys, pg_engine, 1, writer_id="w" * 200)
+    (spec,) = s.specs
+    s.writer.add(_ok(spec.id, stats=JobStats(prompt_tokens=4)), s.deliveries[spec.id])
+    s.writer.flush()
+    info = s.info(spec.id)
+    assert (info.status, info.worker_id, info.stats.prompt_tokens) == (JobStatus.FAILED, "w1", 0)
+    assert info.error.startswith("could not store the result: ")
+    assert s.pending() == 0 and s.notice(spec.id) is not None
+
+
+def _redis_down() -> None:
+    raise redis.ConnectionError("down")
+
+
+def test_the_writer_thread_stores_what_is_added_and_the_last_flush_what_is_left(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 2)
+    first, second = s.specs
+    s.writer.start()
+    s.writer.add(_ok(first.id, "a"), s.deliveries[first.id])
+    assert wait_until(lambda: s.pending() == 1 and not s.writer, 30, 0.02)
+    s.writer.wait_stored(0.01)  # nothing being stored: returns
+    assert s.writer.stop() and not s.writer._thread.is_alive()
+    # Stopped: what is added now waits for the last flush, which ignores the backoffs.
+    s.writer.add(_ok(second.id, "b"), s.deliveries[second.id])
+    s.writer.backoff.failed(time.time())
+    s.writer.redis_backoff.call(time.time(), _redis_down)
+    assert not s.writer.redis_backoff.ready(time.time())
+    assert len(s.writer) == 1 and s.info(second.id).status is JobStatus.RUNNING
+    s.writer.last_flush()
+    assert (len(s.writer), bool(s.writer), s.pending()) == (0, False, 0)
+    assert [s.info(x.id).result.text for x in s.specs] == ["a", "b"]
+    assert s.notice(second.id) == "succeeded"
+
+
+def test_acks_redis_did_not_take_stay_owed(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 1)
+    (spec,) = s.specs
+    down = redis.Redis(host="127.0.0.1", port=1, decode_responses=True,
+                       socket_connect_timeout=0.5)
+    s.writer.outbox.queue = JobQueue(down, MODEL, keys)
+    s.writer.add(_ok(spec.id), s.deliveries[spec.id])
+    now = time.time()
+    s.writer.flush(now)
+    assert s.info(spec.id).status is JobStatus.SUCCEEDED
+    assert (len(s.writer), bool(s.writer), s.pending()) == (0, True, 1)
+    assert not s.writer.redis_backoff.ready(now)
+    s.writer.outbox.queue = s.q
+    s.writer.flush(now + 60)
+    assert (bool(s.writer), s.pending(), s.notice(spec.id)) == (False, 0, "succeeded")
