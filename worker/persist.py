@@ -137,7 +137,7 @@ class ResultWriter:
                 return
             batch, self._unsaved = self._unsaved, []
             self._storing = len(batch)
-        newly: set[str] | None = None
+        newly: dict[str, JobStatus] | None = None
         try:
             newly = self._finish(batch, now)
             if newly is not None and self.after_commit is not None:
@@ -148,19 +148,25 @@ class ResultWriter:
                     self._unsaved = batch + self._unsaved
                 else:
                     self.outbox.ack([d for _, d in batch if d is not None])
-                    for outcome, _ in batch:
-                        if outcome.job_id in newly:
-                            self.outbox.notify(outcome.job_id, outcome.status.value)
-                            self.metrics.job_finished(outcome.status.value)
+                    for job_id, status in newly.items():  # the status stored, once a job
+                        self.outbox.notify(job_id, status.value)
+                        self.metrics.job_finished(status.value)
                 self._storing = 0
                 self._changed.notify_all()  # wait_stored()
         if newly is not None:
             self.backoff.ok()
 
-    def _finish(self, batch: list[tuple[Outcome, Delivery | None]], now: float) -> set[str] | None:
-        """The ids ``batch`` made terminal; None if the database is unavailable."""
+    def _finish(self, batch: list[tuple[Outcome, Delivery | None]],
+                now: float) -> dict[str, JobStatus] | None:
+        """The jobs ``batch`` made terminal, each with the status stored (a job's first
+        outcome in the batch is the one stored); None if the database is unavailable."""
         try:
-            return self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
+            ended = self.store.finish([o for o, _ in batch], worker_id=self.worker_id)
+            newly: dict[str, JobStatus] = {}
+            for o, _ in batch:
+                if o.job_id in ended:
+                    newly.setdefault(o.job_id, o.status)
+            return newly
         except Exception as exc:  # whatever it is, one result must not block all
             if _is_outage(exc):
                 self._outage(now, exc, len(batch))
@@ -175,15 +181,16 @@ class ResultWriter:
         self.backoff.failed(now)
         log.warning("database unavailable (%s); %d results wait, unacked", short_error(exc), n)
 
-    def _one_by_one(self, batch: list[tuple[Outcome, Delivery | None]]) -> set[str]:
+    def _one_by_one(self, batch: list[tuple[Outcome, Delivery | None]]) -> dict[str, JobStatus]:
         """Store outcomes singly, falling back for each the database refuses: a failure with
         the reason and the stats, then a bare failure (no stats, no worker id). Raises only
         for an outage (then the whole batch is retried: what was stored is a no-op then, as
         terminal transitions are guarded)."""
-        newly: set[str] = set()
+        newly: dict[str, JobStatus] = {}
         for outcome, _ in batch:
             try:
-                newly |= self._store_one(outcome, self.worker_id)
+                for job_id in self._store_one(outcome, self.worker_id):
+                    newly.setdefault(job_id, outcome.status)
                 continue
             except Exception as exc:  # a result that cannot be written fails alone
                 if _is_outage(exc):
@@ -197,7 +204,8 @@ class ResultWriter:
                                   error=error), None))
             for fallback, worker_id in fallbacks:
                 try:
-                    newly |= self._store_one(fallback, worker_id)
+                    for job_id in self._store_one(fallback, worker_id):
+                        newly.setdefault(job_id, JobStatus.FAILED)
                     break
                 except Exception as exc:
                     if _is_outage(exc):
