@@ -331,3 +331,28 @@ def test_a_copy_with_no_payload_id_mismatch_is_reported_in_json(
     ((outcome, d),) = intake.results._unsaved
     assert outcome.job_id == spec.id and outcome.status is JobStatus.FAILED
     assert d is not None and d.job_id == spec.id and not intake.undecided
+
+
+@pytest.mark.parametrize("room", [2, 3])
+def test_a_restart_takes_its_own_entries_then_orphans_within_the_same_room(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, room: int) -> None:
+    lease = 4.0
+    before = _intake(redis_client, keys, pg_engine, worker_id="w1", lease_ttl_s=lease)
+    own = _specs(2)
+    before.queue.enqueue(own)
+    assert before.pull(time.time(), 2, held=(), idle=False) == 2
+    dead = _intake(redis_client, keys, pg_engine, worker_id="dead")
+    orphans = [JobSpec(model=MODEL, prompt=f"orphan {i}") for i in range(2)]
+    dead.queue.enqueue(orphans)
+    assert dead.pull(time.time(), 2, held=(), idle=False) == 2
+    time.sleep(lease / 2 + 0.1)
+    again = _intake(redis_client, keys, pg_engine, worker_id="w1", lease_ttl_s=lease)
+    again.take_back_own()
+    t0 = time.time()
+    assert again.pull(t0, room, held=(), idle=False) == room
+    got = [s.id for _, s in again.undecided]
+    assert set(got[:2]) == {s.id for s in own}
+    assert set(got[2:]) < {s.id for s in orphans} and len(got[2:]) == room - 2
+    if room == 2:  # no room was left for orphans: the next pull claims them, unpaced
+        assert again.pull(t0, 10, held=(), idle=False) == 2
+        assert set(s.id for _, s in again.undecided[2:]) == {s.id for s in orphans}

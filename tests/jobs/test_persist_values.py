@@ -152,9 +152,9 @@ def test_a_refused_result_falls_back_to_a_failure_with_its_stats_then_to_a_bare_
     assert r.finished_at is not None and abs(r.finished_at.timestamp() - finished_at) < 1e-3
     assert st.status is JobStatus.FAILED and st.error.startswith("could not store the result: ")
     assert st.stats.prompt_tokens == 0  # the bare failure: no stats
-    # Each is announced once stored (the notice names the status the worker meant to store).
-    assert all(s.notice(x.id) is not None for x in s.specs)
-    assert sum(_finished(s.metrics, status) for status in ("failed", "succeeded")) == 3
+    # Each is announced with the status stored, and counted under it.
+    assert [s.notice(x.id) for x in s.specs] == ["failed", "failed", "succeeded"]
+    assert (_finished(s.metrics, "failed"), _finished(s.metrics, "succeeded")) == (2, 1)
 
 
 def test_a_worker_id_the_database_refuses_is_dropped_from_the_bare_failure(
@@ -168,7 +168,7 @@ def test_a_worker_id_the_database_refuses_is_dropped_from_the_bare_failure(
     info = s.info(spec.id)
     assert (info.status, info.worker_id, info.stats.prompt_tokens) == (JobStatus.FAILED, "w1", 0)
     assert info.error.startswith("could not store the result: ")
-    assert s.pending() == 0 and s.notice(spec.id) is not None
+    assert s.pending() == 0 and s.notice(spec.id) == "failed"
 
 
 def _redis_down() -> None:
@@ -212,3 +212,21 @@ def test_acks_redis_did_not_take_stay_owed(
     s.writer.outbox.queue = s.q
     s.writer.flush(now + 60)
     assert (bool(s.writer), s.pending(), s.notice(spec.id)) == (False, 0, "succeeded")
+
+
+def test_a_job_twice_in_one_transaction_is_stored_announced_and_counted_once(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 1)
+    (spec,) = s.specs
+    first = s.deliveries[spec.id]
+    (copy_id,) = s.q.enqueue([spec])  # a second entry of it, delivered too
+    (copy,) = s.q.read("w1", 10)
+    assert copy.entry_id == copy_id
+    s.writer.add(Outcome(spec.id, JobStatus.FAILED, time.time(), error="first"), first)
+    s.writer.add(_ok(spec.id, "second"), copy)
+    s.writer.flush()
+    info = s.info(spec.id)
+    assert (info.status, info.error) == (JobStatus.FAILED, "first")
+    assert (s.pending(), s.notice(spec.id)) == (0, "failed")
+    assert (_finished(s.metrics, "failed"), _finished(s.metrics, "succeeded")) == (1, 0)
+    assert s.writer.outbox.done == [] and s.q.depth() == (0, 0)
