@@ -6,21 +6,25 @@ notices, metrics)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
 import sqlalchemy as sa
-from services import all_roles_store
+from services import all_roles_store, wait_until
 
 from jobs.client import JobClient
 from jobs.constants import CONSUMER_GROUP, FIELD_ID, FIELD_JOB, Keys
 from jobs.limits import JobLimits
 from jobs.models import Job
-from jobs.queue import JobQueue
+from jobs.queue import STEAL_AFTER_MS, JobQueue
+from jobs.route import bucket_of, owned_buckets
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore
+from worker import intake as intake_module
 from worker.intake import Intake
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
@@ -33,7 +37,8 @@ MODEL = "tiny"
 
 def _intake(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, *,
             worker_id: str = "w1", max_deliveries: int = 3, lease_ttl_s: float = 60.0,
-            limits: JobLimits | None = None, adapters: tuple[str, ...] = ()) -> Intake:
+            limits: JobLimits | None = None, adapters: tuple[str, ...] = (),
+            affinity: bool = False) -> Intake:
     q = JobQueue(redis_client, MODEL, keys)
     q.ensure_group()
     store = DeliveryStore(pg_engine)
@@ -42,7 +47,7 @@ def _intake(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, *,
     writer = ResultWriter(store, worker_id, outbox, RedisBackoff(), metrics)
     return Intake(q, store, writer, outbox, metrics, limits or JobLimits(),
                   worker_id=worker_id, model_name=MODEL, max_deliveries=max_deliveries,
-                  lease_ttl_s=lease_ttl_s, affinity=False, adapters=adapters)
+                  lease_ttl_s=lease_ttl_s, affinity=affinity, adapters=adapters)
 
 
 def _pending(client: redis.Redis, q: JobQueue, consumer: str | None = None) -> int:
@@ -300,6 +305,14 @@ def test_decide_keeps_its_jobs_while_the_database_is_down(
     assert len(intake) == 2
     decided = intake.decide(now + 30)
     assert sorted(s.id for _, s in decided) == sorted(s.id for s in specs) and len(intake) == 0
+    # Recovered: a later outage backs off from the first step again (0.2 s).
+    later = [JobSpec(model=MODEL, prompt="later")]
+    client.submit(later)
+    intake.pull(time.time(), 10, held=(), idle=False)
+    intake.deliveries = DeliveryStore(down)
+    assert intake.decide(now + 100) == []
+    intake.deliveries = up
+    assert [s.id for _, s in intake.decide(now + 100.25)] == [later[0].id]
     down.dispose()
 
 
@@ -356,3 +369,65 @@ def test_a_restart_takes_its_own_entries_then_orphans_within_the_same_room(
     if room == 2:  # no room was left for orphans: the next pull claims them, unpaced
         assert again.pull(t0, 10, held=(), idle=False) == 2
         assert set(s.id for _, s in again.undecided[2:]) == {s.id for s in orphans}
+
+
+def _split(worker_id: str, other: str) -> tuple[list[JobSpec], list[JobSpec]]:
+    """Jobs of ``worker_id``'s buckets, and jobs of one bucket of ``other``'s, 6 each."""
+    own = set(owned_buckets(worker_id, {other}))
+    mine: list[JobSpec] = []
+    theirs: list[JobSpec] = []
+    i = 0
+    while len(mine) < 6 or len(theirs) < 6:
+        spec = JobSpec(model=MODEL, prompt=f"{i} " * 40)
+        i += 1
+        b = bucket_of(spec)
+        if b in own:
+            mine.append(spec)
+        elif not theirs or b == bucket_of(theirs[0]):
+            theirs.append(spec)
+    return mine[:6], theirs[:6]
+
+
+@pytest.mark.parametrize("room", [2, 4])
+def test_a_pull_reads_its_own_buckets_first_then_steals_only_the_room_left(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, room: int) -> None:
+    intake = _intake(redis_client, keys, pg_engine, affinity=True)
+    intake.queue.heartbeat("w2", 60_000)  # a live worker owning the other buckets
+    mine, theirs = _split("w1", "w2")
+    intake.queue.enqueue([mine[0], *theirs[:3]])
+    time.sleep(STEAL_AFTER_MS / 1000 + 0.2)  # theirs have waited long enough to be stolen
+    assert intake.pull(time.time(), room, held=(), idle=False) == min(room, 4)
+    got = [s.id for _, s in intake.undecided]
+    assert got[0] == mine[0].id
+    assert set(got[1:]) <= {s.id for s in theirs[:3]} and len(got) == min(room, 4)
+    assert set(intake.owned) == set(owned_buckets("w1", {"w2"}))
+    assert set(intake._others) == set(range(len(intake.queue.streams))) - set(intake.owned)
+
+
+def test_an_idle_pull_blocks_on_its_own_buckets_and_returns_what_arrives(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake_module, "IDLE_BLOCK_MS", 20_000)  # a window the test can see
+    name = f"intake-{uuid.uuid4().hex[:8]}"
+    blocking = redis.Redis(host="127.0.0.1", port=6379, decode_responses=True,
+                           client_name=name, socket_timeout=60)
+    intake = _intake(blocking, keys, pg_engine, affinity=True)
+    intake.queue.heartbeat("w2", 60_000)
+    mine, _ = _split("w1", "w2")
+    pulled: list[int] = []
+    thread = threading.Thread(target=lambda: pulled.append(
+        intake.pull(time.time(), 4, held=(), idle=True)), daemon=True)
+    thread.start()
+
+    def blocked() -> bool:
+        return any(c.get("name") == name and c.get("cmd") == "xreadgroup"
+                   for c in redis_client.client_list())
+
+    try:
+        assert wait_until(blocked, 15, 0.02)
+        JobQueue(redis_client, MODEL, keys).enqueue(mine[:1])
+        thread.join(30)
+        assert pulled == [1] and [s.id for _, s in intake.undecided] == [mine[0].id]
+    finally:
+        thread.join(30)
+        blocking.close()
