@@ -230,3 +230,23 @@ def test_a_job_twice_in_one_transaction_is_stored_announced_and_counted_once(
     assert (s.pending(), s.notice(spec.id)) == (0, "failed")
     assert (_finished(s.metrics, "failed"), _finished(s.metrics, "succeeded")) == (1, 0)
     assert s.writer.outbox.done == [] and s.q.depth() == (0, 0)
+
+
+def test_the_writer_thread_sends_acks_owed_once_redis_is_back_with_nothing_new_added(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 1)
+    (spec,) = s.specs
+    down = redis.Redis(host="127.0.0.1", port=1, decode_responses=True,
+                       socket_connect_timeout=0.5)
+    s.writer.outbox.queue = JobQueue(down, MODEL, keys)
+    s.writer.start()
+    try:
+        s.writer.add(_ok(spec.id), s.deliveries[spec.id])
+        assert wait_until(lambda: s.info(spec.id).status is JobStatus.SUCCEEDED, 30, 0.05)
+        assert wait_until(lambda: not s.writer.redis_backoff.ready(time.time()), 30, 0.02)
+        assert s.pending() == 1 and s.writer
+        s.writer.outbox.queue = s.q  # Redis is back; the writer's own retries send the ack
+        assert wait_until(lambda: s.pending() == 0 and not s.writer, 30, 0.05)
+        assert s.notice(spec.id) == "succeeded"
+    finally:
+        assert s.writer.stop()
