@@ -4,6 +4,7 @@ fallbacks of a result the database refuses, checked on the stored values."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import redis
@@ -250,3 +251,30 @@ def test_the_writer_thread_sends_acks_owed_once_redis_is_back_with_nothing_new_a
         assert s.notice(spec.id) == "succeeded"
     finally:
         assert s.writer.stop()
+
+
+def test_wait_stored_waits_for_the_transaction_under_way(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    """The loop waits on the writer while its capacity is held by results being stored: a
+    wait begun during the transaction ends with it, not before."""
+    seen: list[int] = []
+
+    def waiter() -> None:
+        started.set()
+        s.writer.wait_stored(30)
+        seen.append(len(s.writer))
+
+    started = threading.Event()
+    thread = threading.Thread(target=waiter, daemon=True)
+
+    def after_commit() -> None:  # the transaction is under way until this returns
+        thread.start()
+        started.wait(30)
+        time.sleep(0.3)  # lets the waiter reach its wait
+
+    s = _Setup(redis_client, keys, pg_engine, 1, after_commit=after_commit)
+    (spec,) = s.specs
+    s.writer.add(_ok(spec.id), s.deliveries[spec.id])
+    s.writer.flush()
+    thread.join(30)
+    assert seen == [0]
