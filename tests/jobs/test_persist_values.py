@@ -278,3 +278,22 @@ def test_wait_stored_waits_for_the_transaction_under_way(
     s.writer.flush()
     thread.join(30)
     assert seen == [0]
+
+
+def test_outcomes_added_during_a_failed_transaction_wait_behind_its_own(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 2)
+    first, second = s.specs
+    down = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none",
+                            connect_args={"connect_timeout": 2})
+
+    class AddsWhileStoring(DeliveryStore):  # the loop hands an outcome over meanwhile
+        def finish(self, outcomes, worker_id=None):  # type: ignore[no-untyped-def]
+            s.writer.add(_ok(second.id, "two"), s.deliveries[second.id])
+            return super().finish(outcomes, worker_id=worker_id)
+
+    s.writer.store = AddsWhileStoring(down)
+    s.writer.add(_ok(first.id, "one"), s.deliveries[first.id])
+    s.writer.flush()
+    assert [o.job_id for o, _ in s.writer._unsaved] == [first.id, second.id]
+    down.dispose()
