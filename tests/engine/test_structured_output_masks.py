@@ -79,3 +79,50 @@ def test_masks_go_to_their_rows_only(tokenizer: PreTrainedTokenizerBase,
     assert kept[1] == {ids(c) for c in "abc"}
     assert kept[0] == kept[2] == set(range(vocab))  # unconstrained rows keep every token
     assert all(math.isinf(v) and v < 0 for v in logits[3, ids("a")].reshape(1).tolist())
+
+
+def test_a_length_bounded_string_never_takes_a_raw_control_character(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    """JSON forbids raw control characters in strings; a ``maxLength``-bounded string is
+    compiled through a pattern of the same length bounds, which keeps them out (xgrammar's
+    own bounded-string rule lets them in: mlc-ai/xgrammar#800)."""
+    structured = StructuredOutput(tokenizer, len(tokenizer),
+                                  frozenset({tokenizer.eos_token_id}))
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 2,
+                                                     "maxLength": 4}},
+              "required": ["s"]}
+    fmt = ResponseFormat(type="json_schema", json_schema={"name": "x", "schema": schema})
+
+    def accepts(text: str) -> bool:
+        matcher = structured.matcher(fmt)
+        return all(matcher.accept_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False)) and \
+            matcher.is_completed()
+
+    assert accepts('{"s": "abcd"}') and accepts('{"s": "ab"}') and accepts('{"s": "éé"}')
+    assert not accepts('{"s": "a"}') and not accepts('{"s": "abcde"}')
+    assert not accepts('{"s": "a\tb"}') and not accepts('{"s": "a\x01b"}')
+
+
+def test_bounded_strings_become_patterns_wherever_they_are() -> None:
+    from engine.grammar_process import _bounded_strings_as_patterns as rewrite
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 3},
+            "b": {"type": "array", "items": {"type": "string", "minLength": 1}},
+            "c": {"anyOf": [{"type": "string", "minLength": 2, "maxLength": 2}]},
+            "d": {"type": "string", "maxLength": 3, "pattern": "^x+$"},  # its own pattern
+            "e": {"type": "string", "maxLength": 9, "format": "email"},
+            "f": {"const": {"type": "string", "maxLength": 1}},  # data, not a schema
+        },
+    }
+    props = rewrite(schema)["properties"]
+    assert props["a"] == {"type": "string", "pattern": "^.{0,3}$"}
+    assert props["b"]["items"] == {"type": "string", "pattern": "^.{1,}$"}
+    assert props["c"]["anyOf"] == [{"type": "string", "pattern": "^.{2,2}$"}]
+    assert props["d"] == schema["properties"]["d"]
+    assert props["e"] == schema["properties"]["e"]
+    assert props["f"] == schema["properties"]["f"]
