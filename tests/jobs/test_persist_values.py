@@ -205,7 +205,7 @@ def test_acks_redis_did_not_take_stay_owed(
                        socket_connect_timeout=0.5)
     s.writer.outbox.queue = JobQueue(down, MODEL, keys)
     s.writer.add(_ok(spec.id), s.deliveries[spec.id])
-    now = time.time()
+    now = time.time() + 1000  # the writer paces its sends on the clock it is given
     s.writer.flush(now)
     assert s.info(spec.id).status is JobStatus.SUCCEEDED
     assert (len(s.writer), bool(s.writer), s.pending()) == (0, True, 1)
@@ -297,3 +297,15 @@ def test_outcomes_added_during_a_failed_transaction_wait_behind_its_own(
     s.writer.flush()
     assert [o.job_id for o, _ in s.writer._unsaved] == [first.id, second.id]
     down.dispose()
+
+
+def test_the_last_flush_waits_for_the_running_thread_then_stores_what_it_held_back(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
+    s = _Setup(redis_client, keys, pg_engine, 1)
+    (spec,) = s.specs
+    s.writer.backoff.failed(time.time() + 1000)  # the thread leaves it: backing off
+    s.writer.start()
+    s.writer.add(_ok(spec.id, "kept"), s.deliveries[spec.id])
+    s.writer.last_flush()
+    assert not s.writer._thread.is_alive()
+    assert (len(s.writer), s.pending(), s.info(spec.id).result.text) == (0, 0, "kept")
