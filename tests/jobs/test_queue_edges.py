@@ -377,3 +377,39 @@ def test_drop_and_listing_page_through_long_streams(redis_client: redis.Redis,
     assert q.drop(doomed | {"not-there"}, chunk=2) == 3
     assert q.job_ids_in_stream(chunk=2) == {s.id for s in jobs} - doomed
     assert q.length() == 4
+
+
+def test_claim_orphans_stops_at_count_within_a_bucket(redis_client: redis.Redis,
+                                                      keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    a = [JobSpec(model="m", prompt=f"{'a' * PREFIX_KEY_CHARS}{i}") for i in range(2)]
+    b = [JobSpec(model="m", prompt=f"{'b' * PREFIX_KEY_CHARS}{i}") for i in range(2)]
+    q.enqueue(a + b)
+    q.heartbeat("dead", 60_000)
+    q.read("dead", count=4)
+    q.drop_heartbeat("dead")
+    first = q.claim_orphans("live", count=3, min_idle_ms=0)
+    assert len(first) == 3
+    assert sorted(_pending(redis_client, q).values()) == ["dead", "live", "live", "live"]
+    assert len(q.claim_orphans("live", count=3, min_idle_ms=0)) == 1
+
+
+def test_a_claim_skips_entries_not_idle_long_enough(redis_client: redis.Redis,
+                                                    keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.enqueue(_one_bucket([0, 0], "idle"))
+    held = q.read("w1", count=2)
+    refs = [(d.stream, d.entry_id) for d in held]
+    assert q.claim("w2", refs, min_idle_ms=3_600_000) == ([], [])
+    assert set(_pending(redis_client, q).values()) == {"w1"}
+    claimed, _ = q.claim("w2", refs, min_idle_ms=0)
+    assert [d.entry_id for d in claimed] == [d.entry_id for d in held]
+
+
+def test_an_entry_with_an_empty_job_id_has_none(redis_client: redis.Redis,
+                                                keys: Keys) -> None:
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    redis_client.xadd(q.streams[0], {"id": "", "job": "{}"})
+    (d,) = q.read("w", 1)
+    assert d.job_id is None and d.payload == "{}"
