@@ -130,9 +130,11 @@ def test_a_database_outage_keeps_the_outcomes_unacked_and_in_order(
 
 def test_a_refused_result_falls_back_to_a_failure_with_its_stats_then_to_a_bare_one(
         redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine) -> None:
-    s = _Setup(redis_client, keys, pg_engine, 3)
-    bad_result, bad_stats, good = s.specs
+    s = _Setup(redis_client, keys, pg_engine, 4)
+    bad_result, bad_stats, good, first = s.specs
     finished_at = time.time() - 5
+    # Stored one by one once the batch is refused: the first stored is not the last.
+    s.writer.add(_ok(first.id, "first"), s.deliveries[first.id])
     # finish_reason's column holds 16 characters: the result is refused, its stats are not.
     long_reason = JobResult.model_construct(text="x", token_ids=[], finish_reason="r" * 40,
                                             logprobs=None, choices=[], embeddings=None)
@@ -145,7 +147,8 @@ def test_a_refused_result_falls_back_to_a_failure_with_its_stats_then_to_a_bare_
     s.writer.add(_ok(good.id, "fine", stats=JobStats(prompt_tokens=3)), s.deliveries[good.id])
     s.writer.flush()
     assert (len(s.writer), s.pending()) == (0, 0)
-    r, st, g = (s.info(x.id) for x in s.specs)
+    r, st, g, f = (s.info(x.id) for x in s.specs)
+    assert (f.status, f.result.text) == (JobStatus.SUCCEEDED, "first")
     assert (g.status, g.result.text, g.stats.prompt_tokens, g.worker_id) == (
         JobStatus.SUCCEEDED, "fine", 3, "w1")
     assert r.status is JobStatus.FAILED and r.error.startswith("could not store the result: ")
@@ -154,8 +157,8 @@ def test_a_refused_result_falls_back_to_a_failure_with_its_stats_then_to_a_bare_
     assert st.status is JobStatus.FAILED and st.error.startswith("could not store the result: ")
     assert st.stats.prompt_tokens == 0  # the bare failure: no stats
     # Each is announced with the status stored, and counted under it.
-    assert [s.notice(x.id) for x in s.specs] == ["failed", "failed", "succeeded"]
-    assert (_finished(s.metrics, "failed"), _finished(s.metrics, "succeeded")) == (2, 1)
+    assert [s.notice(x.id) for x in s.specs] == ["failed", "failed", "succeeded", "succeeded"]
+    assert (_finished(s.metrics, "failed"), _finished(s.metrics, "succeeded")) == (2, 2)
 
 
 def test_a_worker_id_the_database_refuses_is_dropped_from_the_bare_failure(
