@@ -8,7 +8,8 @@ For each mode (default, then ``batch_invariant=True``) on the same weights: the 
 ``--checked`` prompts each run alone (greedy, EOS ignored), then all ``--num-requests`` of
 them as one batch (chat prompts sharing a system prompt, so prefix caching, chunked prefill
 and decode steps of every size are in play); a prompt counts as identical when its tokens
-alone and in the batch are equal. Printed per mode: identical prompts, the batch's useful
+alone and in the batch are equal. The timed runs use prompts no engine has seen yet (another
+system prompt each repeat), so they prefill. Printed per mode: identical prompts, the batch's useful
 output tok/s (and all tokens processed per second), a lone request's tok/s; then the mode's
 ratio against the default for both. Each timing is the best of ``--repeats`` runs, the modes
 interleaved, so that a noisy neighbour on a shared machine costs both alike.
@@ -112,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {mode: ModeResult(mode) for mode in MODES}
     for mode, engine in engines.items():
         check_identical(engine, w, args.checked, results[mode])  # also warms the engine up
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        # prompts no engine has seen (another system prompt), so the timed batch prefills
+        fresh = shared_system_workload("batch-invariant", tokenizer, args.num_requests, 200,
+                                       (20, 200), (args.max_tokens, args.max_tokens),
+                                       args.seed + 1 + repeat)
         for mode, engine in engines.items():
-            time_batch(engine, w, results[mode])
-            time_lone(engine, w, results[mode])
+            time_batch(engine, fresh, results[mode])
+            time_lone(engine, fresh, results[mode])
 
     print(f"# {machine()}")
     print(f"# {resolve_model_dir(args.model).name}, {args.dtype}, {args.num_requests} requests "
