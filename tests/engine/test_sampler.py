@@ -70,6 +70,16 @@ def test_top_p_stops_where_the_tokens_above_reach_it_exactly() -> None:
         assert all(abs(f - 1 / kept) < 0.035 for f in got if f > 0), (top_p, got)
 
 
+def test_top_k_holds_whatever_top_p_makes_of_the_rest() -> None:
+    # Logits whose three kept probabilities add up to just under 1.0 in float32: top_p=1.0
+    # then drops nothing past them by itself, and top-k alone keeps them out.
+    logits = torch.tensor([[1.5409960746765137, -0.293428897857666, -2.1787893772125244,
+                            0.5684312582015991, -1.0845223665237427, -1.3985954523086548]])
+    params = SamplingParams(temperature=1.0, top_k=3)
+    got = frequencies(Sampler(seed=3)(logits.repeat(DRAWS, 1), [row(params)] * DRAWS))
+    assert {t for t, f in enumerate(got) if f > 0} == {0, 1, 3}, got
+
+
 def test_rows_of_one_batch_each_get_their_own_options() -> None:
     # Row i's options apply to row i only: greedy, top-k 1, a bias and a blocked EOS side by
     # side, each with a different answer.
