@@ -76,7 +76,9 @@ class NullEngine:
         self._generated = 0
 
     def add_request(self, request_id: str, prompt: object, params: object, *,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora: str | None = None) -> None:
+        if lora is not None:
+            raise ValueError(f"the null engine serves no LoRA adapter ({lora!r})")
         self._waiting.append(_NullRequest(request_id, params.max_tokens,  # type: ignore[attr-defined]
                                           time.monotonic()))
 
