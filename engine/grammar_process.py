@@ -24,7 +24,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -185,32 +185,6 @@ class _Child:
 
 # -- the child's side ----------------------------------------------------------------------------
 
-# Keywords whose values are data, not schemas: left as they are.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def _bounded_strings_as_patterns(schema: Any) -> Any:
-    """``schema`` with each string's ``minLength``/``maxLength`` (and no pattern or format of
-    its own) written as the pattern ``^.{min,max}$``, which holds the same strings.
-
-    xgrammar (0.2.x, mlc-ai/xgrammar#800) compiles a length-bounded string to a character
-    class that lets raw control characters through, so a constrained output could be invalid
-    JSON; its pattern path emits only characters JSON allows unescaped."""
-    if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: v if k in _DATA_KEYWORDS else _bounded_strings_as_patterns(v)
-           for k, v in schema.items()}
-    bounds = "minLength" in out or "maxLength" in out
-    if (out.get("type") == "string" and bounds and "pattern" not in out
-            and "format" not in out):
-        low = int(out.pop("minLength", 0))
-        high = out.pop("maxLength", None)
-        out["pattern"] = f"^.{{{low},{'' if high is None else int(high)}}}$"
-    return out
-
-
 def compile_format(compiler: xgr.GrammarCompiler, fmt: ResponseFormat) -> xgr.CompiledGrammar:
     """``fmt``'s grammar; raises :class:`GrammarError` with the library's message."""
     try:
@@ -218,9 +192,8 @@ def compile_format(compiler: xgr.GrammarCompiler, fmt: ResponseFormat) -> xgr.Co
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if fmt.type == "json_schema":
             assert fmt.json_schema is not None  # checked by ResponseFormat
-            schema = _bounded_strings_as_patterns(fmt.json_schema.schema)
-            return compiler.compile_json_schema(msgspec.json.encode(schema).decode(),
-                                                any_whitespace=False)
+            return compiler.compile_json_schema(
+                msgspec.json.encode(fmt.json_schema.schema).decode(), any_whitespace=False)
         if fmt.type == "regex":
             assert fmt.regex is not None
             return compiler.compile_regex(fmt.regex)
