@@ -89,6 +89,10 @@ class Intake:
                                       steal=True)
         if not deliveries and idle:
             deliveries = self.queue.wait(self.worker_id, IDLE_BLOCK_MS, self.owned)
+            # XREADGROUP hands out one entry a stream: what exceeds the room stays pending on
+            # this worker and is taken back first by the next pull, as after a restart.
+            deliveries, extra = deliveries[:count], deliveries[count:]
+            self._own_backlog += [(d.stream, d.entry_id) for d in extra]
         if deliveries:
             self._live = self.queue.live_workers()
             self._accept(deliveries, held)

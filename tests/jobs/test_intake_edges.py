@@ -431,3 +431,35 @@ def test_an_idle_pull_blocks_on_its_own_buckets_and_returns_what_arrives(
     finally:
         thread.join(30)
         blocking.close()
+
+
+def test_an_idle_pull_takes_no_more_than_its_room_and_the_rest_comes_next(
+        redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of several streams hands out one entry a stream: jobs that land in three buckets
+    between a pull's reads and its idle wait are more than a room of one. The pull takes one;
+    the others stay pending on the worker and its next pull takes them back first, none lost
+    or doubled."""
+    intake = _intake(redis_client, keys, pg_engine)
+    jobs: list[JobSpec] = []
+    i = 0
+    while len(jobs) < 3:  # three jobs, three buckets
+        spec = JobSpec(model=MODEL, prompt=f"{i} " * 40)
+        i += 1
+        if bucket_of(spec) not in {bucket_of(j) for j in jobs}:
+            jobs.append(spec)
+    read = intake.queue.read
+
+    def read_then_jobs_arrive(*args, **kwargs):  # type: ignore[no-untyped-def]
+        got = read(*args, **kwargs)
+        if kwargs.get("steal"):  # the pull's last read: the jobs arrive right after it
+            JobQueue(redis_client, MODEL, keys).enqueue(jobs)
+        return got
+
+    monkeypatch.setattr(intake.queue, "read", read_then_jobs_arrive)
+    assert intake.pull(time.time(), 1, held=(), idle=True) == 1
+    assert len(intake.undecided) == 1
+    monkeypatch.undo()
+    assert intake.pull(time.time(), 5, held=(), idle=False) == 2
+    assert sorted(s.id for _, s in intake.undecided) == sorted(j.id for j in jobs)
+    assert _pending(redis_client, intake.queue, "w1") == 3

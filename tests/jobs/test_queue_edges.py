@@ -211,6 +211,17 @@ def test_wait_hands_out_one_entry_of_the_buckets_asked(redis_client: redis.Redis
     assert [d.job_id for d in q.wait("w", block_ms=1000)] == [jobs[1].id]
 
 
+def test_wait_hands_out_one_entry_a_stream(redis_client: redis.Redis, keys: Keys) -> None:
+    """XREADGROUP's COUNT is per stream: a wait on three buckets that each hold an entry
+    returns three (the intake keeps what exceeds its room for its next pull)."""
+    q = JobQueue(redis_client, "m", keys)
+    q.ensure_group()
+    jobs = _spread(3)
+    q.enqueue(jobs)
+    got = q.wait("w", block_ms=1000, buckets=[bucket_of(j) for j in jobs])
+    assert sorted(d.job_id for d in got) == sorted(j.id for j in jobs)
+
+
 def test_ensure_group_delivers_entries_already_in_the_stream(redis_client: redis.Redis,
                                                              keys: Keys) -> None:
     q = JobQueue(redis_client, "m", keys)
