@@ -110,9 +110,8 @@ def test_three_stages_fan_out_filter_and_stream(client: Client, start_worker,  #
         lin = line["_lineage"]
         assert keys["judge"][lin["judge"]] == lin["answers"]
         assert keys["answers"][lin["answers"]] == lin["questions"]
-    # no barrier: the first answers job was created before the last questions job finished
-    assert min(r.created_at for r in jobs["answers"]) < max(r.finished_at
-                                                            for r in jobs["questions"])
+    # That stage 2 starts before stage 1 ends is shown on 30 rows by the killed-driver test:
+    # with 8 rows a fast worker may finish stage 1 between two polls of the driver.
 
 
 def _script(tmp_path: Path, name: str, n: int) -> Path:
