@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import asdict
@@ -28,7 +29,7 @@ from engine.processor import Processor
 from engine.prompts import Prompt
 from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence
 from engine.structured_output import CompileBudget, StructuredOutput
 from kernels import get_ops, resolve_backend
@@ -133,6 +134,9 @@ class LLMEngine:
             self.runner.enable_decode_graphs(config.max_num_seqs,
                                              cdiv(max_model_len, block_size), capture=True)
         self.isolator = FaultIsolator(self.runner)
+        # What times a step's forward and sampling for its requests' gpu_s (a seam: a test
+        # gives a clock that ticks a known amount a call).
+        self.step_clock: Callable[[], float] = time.monotonic
         self._aborted: list[RequestOutput] = []
         self._compiling: list[Sequence] = []  # waiting for their grammars
         self._arrivals = itertools.count()
@@ -302,7 +306,9 @@ class LLMEngine:
                 wait([s.pending_grammar for s in self._compiling if s.pending_grammar],
                      timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
             return outputs
+        started = self.step_clock()
         result, faults = self.isolator.run(batch)
+        self._charge(batch, self.step_clock() - started)
         if faults:
             batch = batch.without(set(faults))
             outputs += [self._fail(request_id, f"failed in the engine step: {error}")
@@ -325,6 +331,15 @@ class LLMEngine:
         outputs += [self._fail(request_id, f"failed in the engine step: {error}")
                     for request_id, error in failed.items()]
         return outputs
+
+    def _charge(self, batch: SchedulerOutput, step_s: float) -> None:
+        """Split a step's time equally among the requests in it (``RequestMetrics.gpu_s``;
+        a request's samples are one request): the shares add up to the step's time."""
+        request_ids = dict.fromkeys(s.seq.request_id for s in batch.seqs)
+        for request_id in request_ids:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                req.metrics.gpu_s += step_s / len(request_ids)
 
     def _take_grammars(self) -> list[RequestOutput]:
         """Hand the compiled grammars to their sequences (the scheduler admits them now);

@@ -31,6 +31,10 @@ class RequestMetrics:
     peak_kv_blocks: int = 0
     peak_kv_bytes: int = 0
     num_preemptions: int = 0
+    # The request's share of the engine steps it took part in: each step's time (its forward
+    # and sampling, ``LLMEngine.step_clock`` seconds) split equally among the requests in it.
+    # On a GPU worker these are GPU-seconds; the shares of a step add up to its time.
+    gpu_s: float = 0.0
 
 
 @dataclass

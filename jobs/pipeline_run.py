@@ -48,11 +48,14 @@ class StageSummary:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
+    gpu_s: float = 0.0  # its jobs' cost in GPU-seconds (``JobStats.gpu_s``), retries included
     started_at: datetime | None = None  # the first of its jobs to start on a worker
     finished_at: datetime | None = None  # the last of its jobs to finish
 
     def add_job(self, info: JobInfo) -> None:
-        """Count a finished job's tokens and times."""
+        """Count a finished job's tokens, cost and times."""
+        if info.stats is not None:
+            self.gpu_s += info.stats.gpu_s or 0.0
         if info.result is not None:
             usage = info.result.usage
             self.prompt_tokens += usage.prompt_tokens
@@ -92,7 +95,8 @@ class PipelineResult:
     def table(self) -> str:
         """The summary as a text table, a line per stage; ``active s``: from its first job's
         start to its last job's end, in seconds from the first start of any stage (the
-        stages overlap: no barrier)."""
+        stages overlap: no barrier); ``GPU s``: its jobs' cost in GPU-seconds
+        (:attr:`StageSummary.gpu_s`)."""
         starts = [s.started_at for s in self.summary.values() if s.started_at]
         zero = min(starts) if starts else None
 
@@ -103,10 +107,10 @@ class PipelineResult:
                     f"{(s.finished_at - zero).total_seconds():.1f}")
 
         head = ("stage", "in", "out", "filtered", "failed", "retried", "prompt", "generated",
-                "active s", "cache hit")
+                "GPU s", "active s", "cache hit")
         lines = [head] + [(name, *(str(getattr(s, f)) for f in (
             "rows_in", "rows_out", "filtered", "failed", "retried", "prompt_tokens",
-            "generated_tokens")), active(s), f"{s.prefix_cache_hit_rate:.0%}")
+            "generated_tokens")), f"{s.gpu_s:.2f}", active(s), f"{s.prefix_cache_hit_rate:.0%}")
             for name, s in self.summary.items()]
         widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True))

@@ -406,7 +406,7 @@ class JobStats(BaseModel):
     column heading); a parity test holds the migrations and the ``job_stats`` view to them.
     Times are seconds measured from submission (vLLM's "arrival"): queue_wait until first
     scheduled, ttft until the first token, e2e until done; tpot is the mean time between output
-    tokens.
+    tokens; gpu_s is its cost in GPU-seconds (its share of the engine steps it ran in).
     """
 
     queue_wait_s: float | None = Field(None, title="wait s")
@@ -419,6 +419,9 @@ class JobStats(BaseModel):
     peak_kv_blocks: int = Field(0, title="KV blocks")
     peak_kv_bytes: Annotated[int, Bytes] = Field(0, title="peak KV")
     preemptions: int = Field(0, title="preempted")
+    # The job's share of the engine steps it ran in: each step's time (forward and sampling)
+    # split equally among the jobs in it, summed over its steps (``RequestMetrics.gpu_s``).
+    gpu_s: float | None = Field(None, title="GPU s")
 
 
 def is_bytes(name: str) -> bool:

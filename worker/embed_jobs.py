@@ -5,8 +5,8 @@ A job embeds a list of texts (OpenAI's ``input``); the engine takes one prompt a
 ``#``) and :class:`EmbedJobs` gathers their outputs back into one ``RequestOutput`` under the
 job's id, an output per text in order. The job ends when every text's request has: failed
 (``error``) or aborted as the first of them that did, the others then aborted; its metrics are
-those of its texts together (token counts and preemptions summed, times from the first to the
-last, the peak KV of the largest).
+those of its texts together (token counts, preemptions and GPU-seconds summed, times from the
+first to the last, the peak KV of the largest).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def _joined(job_id: str, parts: list[RequestOutput]) -> RequestOutput:
         peak_kv_blocks=max(m.peak_kv_blocks for m in ms),
         peak_kv_bytes=max(m.peak_kv_bytes for m in ms),
         num_preemptions=sum(m.num_preemptions for m in ms),
+        gpu_s=sum(m.gpu_s for m in ms),
     )
     return RequestOutput(request_id=job_id, prompt_token_ids=[], outputs=outputs, finished=True,
                          metrics=metrics, error=error)

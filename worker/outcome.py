@@ -78,6 +78,7 @@ def engine_outcome(out: RequestOutput, spec: JobSpec, admitted_at: float,
         peak_kv_blocks=m.peak_kv_blocks,
         peak_kv_bytes=m.peak_kv_bytes,
         preemptions=m.num_preemptions,
+        gpu_s=m.gpu_s,
     )
     usage = Usage(prompt_tokens=m.num_prompt_tokens, cached_prompt_tokens=m.num_cached_tokens,
                   completion_tokens=m.num_generated_tokens)

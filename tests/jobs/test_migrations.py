@@ -11,7 +11,7 @@ HEAD = ScriptDirectory(str(db.migrations_dir())).get_current_head()
 VIEW_COLUMNS = [
     "job_id", "batch_id", "model", "status", "queue_wait_s", "ttft_s", "tpot_s", "e2e_s",
     "prompt_tokens", "cached_prompt_tokens", "generated_tokens", "peak_kv_blocks",
-    "peak_kv_bytes", "preemptions", "worker_id", "finished_at",
+    "peak_kv_bytes", "preemptions", "gpu_s", "worker_id", "finished_at",
 ]
 
 

@@ -25,7 +25,8 @@ from worker.outcome import engine_outcome
 
 METRICS = dict(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
                finish_time=103.0, num_prompt_tokens=7, num_cached_tokens=3,
-               num_generated_tokens=5, peak_kv_blocks=2, peak_kv_bytes=4096, num_preemptions=1)
+               num_generated_tokens=5, peak_kv_blocks=2, peak_kv_bytes=4096, num_preemptions=1,
+               gpu_s=1.25)
 
 
 def _out(*outputs: CompletionOutput, error: str | None = None, **metrics: object,
@@ -55,7 +56,8 @@ def test_a_finished_generation_succeeds_with_every_figure() -> None:
     # 2 s between submission and the engine, then the engine's own durations
     assert o.stats == JobStats(queue_wait_s=2.5, ttft_s=3.0, tpot_s=0.5, e2e_s=5.0,
                                prompt_tokens=7, cached_prompt_tokens=3, generated_tokens=5,
-                               peak_kv_blocks=2, peak_kv_bytes=4096, preemptions=1)
+                               peak_kv_blocks=2, peak_kv_bytes=4096, preemptions=1,
+                               gpu_s=1.25)
     r = o.result
     assert r is not None
     assert (r.text, r.token_ids, r.finish_reason, r.logprobs, r.choices, r.embeddings) == (

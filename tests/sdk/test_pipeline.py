@@ -110,6 +110,12 @@ def test_three_stages_fan_out_filter_and_stream(client: Client, start_worker,  #
         lin = line["_lineage"]
         assert keys["judge"][lin["judge"]] == lin["answers"]
         assert keys["answers"][lin["answers"]] == lin["questions"]
+    # cost: a stage's GPU-seconds are those its jobs stored, each job's a share of the steps
+    # it ran in, so no more than the time from its first step to its end
+    for stage, rows in jobs.items():
+        stats = [i.stats for i in client.jobs.get_many([r.id for r in rows])]
+        assert all(s is not None and 0 < s.gpu_s < s.e2e_s - s.queue_wait_s for s in stats)
+        assert summary[stage].gpu_s == pytest.approx(sum(s.gpu_s for s in stats))
     # That stage 2 starts before stage 1 ends is shown on 30 rows by the killed-driver test:
     # with 8 rows a fast worker may finish stage 1 between two polls of the driver.
 
@@ -398,7 +404,7 @@ def test_the_summary_table_shows_each_stage_and_when_it_was_active() -> None:
     at = datetime(2026, 1, 1, 12, tzinfo=UTC)
     result = PipelineResult(summary={
         "gen": StageSummary(rows_in=4, rows_out=3, failed=1, prompt_tokens=80,
-                            cached_prompt_tokens=20, generated_tokens=12,
+                            cached_prompt_tokens=20, generated_tokens=12, gpu_s=1.234,
                             started_at=at + timedelta(seconds=1),
                             finished_at=at + timedelta(seconds=9.25)),
         "judge": StageSummary(rows_in=3, rows_out=1, filtered=2, retried=1, prompt_tokens=30,
@@ -407,10 +413,10 @@ def test_the_summary_table_shows_each_stage_and_when_it_was_active() -> None:
         "idle": StageSummary()})
     assert [line.split() for line in result.table().splitlines()] == [
         ["stage", "in", "out", "filtered", "failed", "retried", "prompt", "generated",
-         "active", "s", "cache", "hit"],
-        ["gen", "4", "3", "0", "1", "0", "80", "12", "0.0-8.2", "25%"],
-        ["judge", "3", "1", "2", "0", "1", "30", "0", "1.5-11.0", "0%"],
-        ["idle", "0", "0", "0", "0", "0", "0", "0", "-", "0%"]]
+         "GPU", "s", "active", "s", "cache", "hit"],
+        ["gen", "4", "3", "0", "1", "0", "80", "12", "1.23", "0.0-8.2", "25%"],
+        ["judge", "3", "1", "2", "0", "1", "30", "0", "0.00", "1.5-11.0", "0%"],
+        ["idle", "0", "0", "0", "0", "0", "0", "0", "0.00", "-", "0%"]]
 
 
 def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
