@@ -18,6 +18,8 @@ C functions in its profiles (``labelled_for_profiler``).
 - ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
   weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
   AVX512-BF16, when x is bf16 too).
+- ``cpu_int8.c``: weight-only int8 linear layers (``linear_int8``): int8 weights with a float32
+  scale per group of inputs, widened in registers (an AVX-512 path and a portable one).
 - ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
   kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
@@ -66,6 +68,10 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     }),
     "cpu_linear": ((), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
+    }),
+    "cpu_int8": ((), {
+        "linear_int8": [_ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i32,
+                        _i32],
     }),
     "cpu_step": ((), {
         "decode_layers": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i64,
@@ -195,6 +201,54 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
         int(weight.dtype == torch.bfloat16), None if bf is None else bf.data_ptr(),
         out.data_ptr(), int(out.dtype == torch.bfloat16), x.shape[0], weight.shape[0],
         weight.shape[1], torch.get_num_threads(),
+    )
+    return out
+
+
+# Rows up to which ``linear_int8`` runs the C kernel; past them the weight is dequantized to the
+# rows' dtype and torch's GEMM multiplies (a prefill: compute-bound, where the copy is cheap).
+LINEAR_INT8_MAX_ROWS = 8
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernels.int8.linear_reference(x, q, scale, bias)`` on the CPU, in ``x``'s dtype.
+
+    Up to ``LINEAR_INT8_MAX_ROWS`` rows of ``x`` go through the C kernel, which reads the int8
+    weight once; more go to torch's GEMM on the weight dequantized to ``x``'s dtype (to float32
+    where it is bf16 and the CPU has no bf16 arithmetic).
+    """
+    if x.dim() == 2 and x.shape[0] <= LINEAR_INT8_MAX_ROWS and x.dtype in LINEAR_MAX_ROWS:
+        return linear_int8_rows(x, q, scale, bias)
+    from kernels import int8
+
+    if x.dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return int8.linear_dequantized(x.float(), q, scale, bias).to(x.dtype)
+    return int8.linear_dequantized(x, q, scale, bias)
+
+
+def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+    """The int8 linear through the C kernel whatever the rows of ``x`` ([M, K], float32 or
+    bf16; ``q`` [N, K] int8, ``scale`` [N, K / G] float32), in ``x``'s dtype.
+
+    Each output is reduced in one order fixed by K and G alone (batch-invariant).
+    ``portable`` forces the portable path where the build has the AVX-512 one (for tests).
+    """
+    from kernels import int8
+
+    if x.dtype not in LINEAR_MAX_ROWS:
+        raise TypeError(f"no C int8 linear for {x.dtype} rows")
+    group = int8.group_size(q, scale)
+    if x.shape[-1] != q.shape[1]:
+        raise ValueError(f"rows of {x.shape[-1]} inputs by a weight of {q.shape[1]}")
+    q, scale, x = q.contiguous(), scale.contiguous(), x.contiguous()
+    bf = None if bias is None else bias.to(torch.float32).contiguous()
+    out = x.new_empty(x.shape[0], q.shape[0])
+    library("cpu_int8").linear_int8(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
+        None if bf is None else bf.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16),
+        x.shape[0], q.shape[0], q.shape[1], group, int(portable), torch.get_num_threads(),
     )
     return out
 

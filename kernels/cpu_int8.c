@@ -1,0 +1,193 @@
+/* Weight-only int8 linear layers: y[m, n] = sum_g scale[n, g] * sum_{k in g} x[m, k] * q[n, k]
+ * (+ bias[n]), float32 accumulation, symmetric int8 weights with one float32 scale per group of
+ * G consecutive inputs of an output row (G = K: one scale per output channel; G = 32: GGUF's
+ * Q8_0 blocks exactly).
+ *
+ * A decode step is bound by reading the weights; int8 ones are half the bytes of bf16. Each
+ * thread reads a contiguous run of output rows, ROWS at a time, and takes every x row through
+ * them while they are in L1 (as cpu_linear.c does), widening the int8 weights to float32 in
+ * registers. Per-channel scales (G = K, or any G not a multiple of VL): per group, a float32
+ * accumulator of x * q, folded into the row's total by one FMA with the group's scale (not a
+ * horizontal sum per group). Small groups that are whole vectors (Q8_0's 32): each weight
+ * vector multiplied by its scale as it is widened. Each output's order of reduction is fixed
+ * by K and G alone, so a row's result does not depend on how many rows share the call.
+ *
+ * Two paths, chosen at build time (the AVX-512 one where the compiler targets it) and forced
+ * to the portable one at run time by `portable` (the tests run both on one host):
+ * - AVX-512: 16 int8 weights a load, sign-extended (vpmovsxbd) and converted (vcvtdq2ps) to
+ *   float32, one FMA per x row.
+ * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up).
+ * Activations are not quantized (no VNNI): the products are of exact values, so only the
+ * weights' rounding separates this from the float model.
+ *
+ * x: [M, K] float32 or bf16, contiguous; q: [N, K] int8, contiguous; scale: [N, K / G]
+ * float32, contiguous (G divides K); bias: [N] float32 or NULL; y: [M, N] float32, or bf16
+ * (rounded to nearest even, as torch rounds).
+ */
+#include "cpu_common.h"
+
+#include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define HAS_AVX512 1
+#else
+#define HAS_AVX512 0
+#endif
+
+#define ROWS 4       /* weight rows per tile */
+#define XROWS 4      /* x rows per tile: XROWS * ROWS accumulators per group, and as many totals */
+#define CHUNK_ROWS 64 /* x rows per pass over the weights: their x stays in L2 */
+
+typedef int8_t vq_u __attribute__((vector_size(VL), aligned(1)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+INLINE float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++)
+        s += v[i];
+    return s;
+}
+
+/* VL int8 weights from p on, as float32 (exact). */
+INLINE vf load_q(const int8_t *p, const int avx512) {
+#if HAS_AVX512
+    if (avx512 && VL == 16)
+        return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#endif
+    (void)avx512;
+    return __builtin_convertvector(__builtin_convertvector(*(const vq_u *)p, vi), vf);
+}
+
+/* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P (R, P and avx512 are constants where this is
+ * inlined). Within a group the vector part runs to the last whole VL, the rest is scalar; a
+ * group that is whole vectors but not the whole row takes the scaled-weights loop. */
+INLINE void tile(const float *x, const int8_t *q, const float *scale, const float *bias,
+                 void *y, int y_bf16, int64_t N, int64_t K, int64_t G, int64_t m0, int64_t n0,
+                 const int P, const int R, const int avx512) {
+    const int64_t groups = K / G;
+    /* the next tile's rows, or these again at the end of the matrix (never past it) */
+    const int8_t *ahead = q + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K;
+    vf total[XROWS][ROWS];
+    float total_tail[XROWS][ROWS];
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            total[p][r] = (vf){0};
+            total_tail[p][r] = 0.0f;
+        }
+    if (G != K && G % VL == 0) {
+        /* small groups (Q8_0's 32): each weight vector scaled as it is widened, one multiply
+         * more a vector, where an accumulator per group cost three times the time */
+        for (int64_t k = 0; k < K; k += VL) {
+            if ((k & 63) == 0)
+                for (int r = 0; r < R; r++)
+                    __builtin_prefetch(ahead + r * K + k, 0, 3);
+            vf wv[ROWS];
+            for (int r = 0; r < R; r++)
+                wv[r] = load_q(q + (n0 + r) * K + k, avx512) * scale[(n0 + r) * groups + k / G];
+            for (int p = 0; p < P; p++) {
+                const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
+                for (int r = 0; r < R; r++)
+                    total[p][r] += xv * wv[r];
+            }
+        }
+    } else {
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t k0 = g * G, k1 = k0 + G, kv = k0 + G - G % VL;
+            vf acc[XROWS][ROWS];
+            for (int p = 0; p < P; p++)
+                for (int r = 0; r < R; r++)
+                    acc[p][r] = (vf){0};
+            for (int64_t k = k0; k < kv; k += VL) {
+                if ((k & 63) == 0)
+                    for (int r = 0; r < R; r++)
+                        __builtin_prefetch(ahead + r * K + k, 0, 3);
+                vf wv[ROWS];
+                for (int r = 0; r < R; r++)
+                    wv[r] = load_q(q + (n0 + r) * K + k, avx512);
+                for (int p = 0; p < P; p++) {
+                    const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
+                    for (int r = 0; r < R; r++)
+                        acc[p][r] += xv * wv[r];
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const float s = scale[(n0 + r) * groups + g];
+                for (int p = 0; p < P; p++)
+                    total[p][r] += acc[p][r] * s;
+                if (kv == k1)
+                    continue;
+                for (int p = 0; p < P; p++) {
+                    float t = 0.0f;
+                    for (int64_t k = kv; k < k1; k++)
+                        t += x[(m0 + p) * K + k] * (float)q[(n0 + r) * K + k];
+                    total_tail[p][r] += t * s;
+                }
+            }
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(total[p][r]) + total_tail[p][r];
+            s = bias ? s + bias[n0 + r] : s;
+            const int64_t i = (m0 + p) * N + n0 + r;
+            if (y_bf16)
+                ((uint16_t *)y)[i] = f32_to_bf16(s);
+            else
+                ((float *)y)[i] = s;
+        }
+}
+
+INLINE void rows_block(const float *x, const int8_t *q, const float *scale, const float *bias,
+                       void *y, int y_bf16, int64_t m, int64_t M, int64_t N, int64_t K,
+                       int64_t G, int64_t n0, const int R, const int avx512) {
+    for (; m + XROWS <= M; m += XROWS)
+        tile(x, q, scale, bias, y, y_bf16, N, K, G, m, n0, XROWS, R, avx512);
+    switch (M - m) {
+    case 3: tile(x, q, scale, bias, y, y_bf16, N, K, G, m, n0, 3, R, avx512); break;
+    case 2: tile(x, q, scale, bias, y, y_bf16, N, K, G, m, n0, 2, R, avx512); break;
+    case 1: tile(x, q, scale, bias, y, y_bf16, N, K, G, m, n0, 1, R, avx512); break;
+    default: break;
+    }
+}
+
+INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, const float *bias,
+                        void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int64_t G,
+                        const int avx512, int num_threads) {
+    const int64_t full = N / ROWS;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+        const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < full; b++)
+            rows_block(x, q, scale, bias, y, y_bf16, m0, m1, N, K, G, b * ROWS, ROWS, avx512);
+        for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
+            rows_block(x, q, scale, bias, y, y_bf16, m0, m1, N, K, G, n, 1, avx512);
+    }
+}
+
+void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
+                 const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int portable, int num_threads) {
+    float *widened = NULL;
+    const float *xf = x;
+    if (x_bf16) {
+        widened = malloc((size_t)(M * K) * sizeof *widened);
+        for (int64_t i = 0; i < M * K; i++)
+            widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+        xf = widened;
+    }
+    /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
+     * per-group bookkeeping cost more than the group's loads) */
+    if (HAS_AVX512 && !portable && G == 32)
+        linear_rows(xf, q, scale, bias, y, y_bf16, M, N, K, 32, 1, num_threads);
+    else if (HAS_AVX512 && !portable)
+        linear_rows(xf, q, scale, bias, y, y_bf16, M, N, K, G, 1, num_threads);
+    else if (G == 32)
+        linear_rows(xf, q, scale, bias, y, y_bf16, M, N, K, 32, 0, num_threads);
+    else
+        linear_rows(xf, q, scale, bias, y, y_bf16, M, N, K, G, 0, num_threads);
+    free(widened);
+}
+
+/* Whether this build has the AVX-512 path (kernels.native reports it; the tests force the
+ * other). */
+int linear_int8_has_avx512(void) { return HAS_AVX512; }

@@ -1,0 +1,73 @@
+"""Weight-only int8: symmetric quantization with a float32 scale per group of inputs, and the
+torch reference of the int8 linear (dequantize, then ``F.linear``) that the C and Triton
+kernels are checked against.
+
+A quantized weight is a pair: ``q`` ``[N, K]`` int8 in [-127, 127] and ``scale`` ``[N, K / G]``
+float32, ``W[n, k] ~= q[n, k] * scale[n, k // G]``. The group size ``G`` is ``K //
+scale.shape[1]``: one scale per output channel (``G = K``) or per 32 inputs (GGUF's ``Q8_0``
+blocks, loaded as they are).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QMAX = 127  # symmetric: -128 is never produced, so q and -q are both representable
+
+
+def group_size(q: torch.Tensor, scale: torch.Tensor) -> int:
+    """The inputs per scale of a quantized weight (``K // scale.shape[1]``), checked."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or scale.dtype != torch.float32:
+        raise TypeError(f"an int8 weight is int8 with float32 scales, got {q.dtype}/{scale.dtype}")
+    if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
+        raise ValueError(f"scales of shape {tuple(scale.shape)} do not divide a [{n}, {k}] weight")
+    return k // scale.shape[1]
+
+
+def quantize(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ([N, K], any float dtype) as int8 with a scale per ``group`` inputs (``None``:
+    per output channel): each group's largest magnitude maps to 127, values round to nearest.
+
+    Returns ``(q [N, K] int8, scale [N, K / group] float32)``; an all-zero group has scale 0.
+    """
+    n, k = weight.shape
+    group = k if group is None else group
+    if group < 1 or k % group:
+        raise ValueError(f"group size {group} does not divide {k} inputs")
+    w = weight.float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=-1) / QMAX  # [N, K / G]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q.reshape(n, k), scale.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+               ) -> torch.Tensor:
+    """The float weight ``q * scale`` ([N, K]) in ``dtype``, computed in float32."""
+    g = group_size(q, scale)
+    w = q.float().reshape(q.shape[0], -1, g) * scale[..., None]
+    return w.reshape(q.shape).to(dtype)
+
+
+def linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec: ``F.linear(x, dequantize(q, scale), bias)`` in float32, in ``x``'s dtype.
+
+    Args:
+        x: ``[M, K]`` rows, any float dtype.
+        q: ``[N, K]`` int8 weights; scale: ``[N, K / G]`` float32.
+        bias: ``[N]`` or None.
+    """
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), dequantize(q, scale).to(x.device), b).to(x.dtype)
+
+
+def linear_dequantized(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_reference`` with the weight dequantized to ``x``'s dtype and the GEMM in it:
+    the path for many rows (a prefill), where the dequantized copy costs little next to the
+    matmul and torch's GEMM in the model's dtype is the fastest there is."""
+    w = dequantize(q, scale, x.dtype).to(x.device)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
