@@ -8,13 +8,14 @@ size) and the values discovered at load time are in ``engine.runtime``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.lora_config import parse_lora_flags
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = (None, "int8")  # EngineConfig.quantization's Literal
 # KV budget on the CPU when neither num_kv_blocks nor kv_cache_memory_bytes is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 # Host pool for swapped-out KV blocks on CUDA when swap_space_bytes is not given (vLLM's 4 GiB).
@@ -79,6 +80,12 @@ class EngineConfig:
         "every linear and attention row is reduced in one fixed order whatever the batch "
         "(kernels.batch_invariant), without cascade attention. Sampled jobs reproduce when "
         "they carry a seed. Costs speed: see bench/batch_invariant.py")
+    quantization: Literal[None, "int8"] = _field(
+        None, "int8: weight-only int8 for the attention and MLP projections (symmetric, a "
+        "float32 scale per output channel; embeddings, norms and lm_head as they are), "
+        "quantized as a bf16/float32 checkpoint loads (GGUF Q8_0 tensors load as they are, a "
+        "scale per 32 inputs). A decode step reads half the bytes of bf16; see "
+        "bench/int8.py for speed and quality")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
     grammar_compile_timeout_s: float = _field(
         30.0, "most seconds one response_format may take to compile (in a process beside the "
@@ -122,6 +129,9 @@ class EngineConfig:
         if self.grammar_compile_memory_bytes < 1:
             raise ValueError("grammar_compile_memory_bytes must be >= 1, "
                              f"got {self.grammar_compile_memory_bytes}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
         parse_lora_flags(self.lora)
         if self.lora_memory_bytes < 1:
             raise ValueError(f"lora_memory_bytes must be >= 1, got {self.lora_memory_bytes}")

@@ -66,7 +66,8 @@ class LLMEngine:
         backend = get_ops(resolve_backend(config.attention_backend, device),
                           config.batch_invariant)
         torch.manual_seed(config.seed)
-        model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype)
+        model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype,
+                                       config.quantization)
         model.load_weights(loader.iter_safetensors(model_dir))  # a shard at a time
         model.eval()
         self.lora = LoRAManager(parse_lora_flags(config.lora), model,

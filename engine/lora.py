@@ -120,7 +120,7 @@ def load_adapter(spec: LoRASpec, model: LlamaForCausalLM) -> LoRAWeights:
             a[col : col + r] = pair["A"]
             b[offset : offset + size, col : col + r] = pair["B"] * config.scaling
             col += r
-        param = linear.weight
+        param = model.embed_tokens.weight  # the model's dtype (an int8 projection's is not)
         weights[layer, fused] = (a.to(param.device, param.dtype),
                                  b.to(param.device, param.dtype))
     if raw:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from kernels import int8, reference
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
@@ -37,6 +37,8 @@ class Backend:
     - ``fused``: the fused C layer ops of ``kernels.native`` (``rms_norm``, ``rotary_``,
       ``silu_mul``) come with it, and greedy sampling takes the C ``argmax``.
     - ``linear``: what the model's linear layers call, with ``F.linear``'s signature.
+    - ``linear_int8``: what they call once their weights are int8 (``kernels.int8``):
+      ``(x, q, scale, bias)``, the C kernel on the CPU, the Triton one on CUDA.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Backend:
     cascade: bool = False
     fused: bool = False
     linear: Callable[..., torch.Tensor] = F.linear
+    linear_int8: Callable[..., torch.Tensor] = int8.linear_reference
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -88,9 +91,11 @@ def _ops(backend: str) -> Backend:
             cascade=True,
             fused=True,
             linear=native.linear,
+            linear_int8=native.linear_int8,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).
+        from kernels.int8_triton import linear_int8
         from kernels.paged_decode import paged_attention_decode
         from kernels.paged_prefill import paged_attention_prefill
         from kernels.reshape_and_cache import reshape_and_cache
@@ -101,5 +106,6 @@ def _ops(backend: str) -> Backend:
             decode=paged_attention_decode,
             prefill=paged_attention_prefill,
             cascade=True,
+            linear_int8=linear_int8,
         )
     raise ValueError(f"unknown attention backend {backend!r}")

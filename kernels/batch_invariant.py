@@ -97,17 +97,20 @@ def invariant_ops(backend: Backend) -> Backend:
     """``backend`` with the batch-invariant linear and attention (see the module's docstring).
 
     The ``cpu`` backend's linear is the C kernel for every row count (float32 or bf16
-    weights); the ``triton`` backend's, the fixed-tile Triton matmul. The ``torch``
+    weights, and int8 ones); the ``triton`` backend's, the fixed-tile Triton matmul (and its
+    int8 kernel, whose tiles do not depend on the rows either). The ``torch``
     (reference) backend has no invariant ops: ``ValueError``.
     """
     if backend.name == "cpu":
         decode, linear = _cpu_decode, native.linear_rows
+        linear_int8 = native.linear_int8_rows  # the C kernel for every row count
     elif backend.name == "triton":
         from kernels import invariant_matmul
 
         decode, linear = _triton_decode, invariant_matmul.linear
+        linear_int8 = backend.linear_int8  # one tile shape for every row count already
     else:
         raise ValueError("the batch-invariant mode runs on the cpu and triton attention "
                          f"backends, not {backend.name!r}")
     return replace(backend, decode=decode, prefill=prefill_as_decode(decode), cascade=False,
-                   linear=linear)
+                   linear=linear, linear_int8=linear_int8)

@@ -10,7 +10,10 @@ decode step (the weights read once, bf16 ones widened as read or multiplied as p
 GEMM for more; and a decode step of that few rows runs all its layers in one C call
 (``kernels.native.DecodeLayers``), the same kernels in the same order. In the batch-invariant
 mode the backend's linear and attention reduce each row in one order whatever the batch
-(``kernels.batch_invariant``).
+(``kernels.batch_invariant``). With ``quantization="int8"`` the attention and MLP projections
+hold int8 weights with float32 scales (``kernels.int8``), quantized as the checkpoint loads,
+and call the backend's ``linear_int8`` (the C kernel on the CPU, Triton on CUDA); embeddings,
+norms and lm_head stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
-from kernels import Backend, native
+from kernels import Backend, int8, native
 from kernels.cascade import runs_cascade
 from kernels.lora import LoRAMapping
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Inputs per scale of a bf16/float32 checkpoint quantized to int8 (None: one scale per output
+# channel). GGUF Q8_0 tensors bring their own (32). bench/int8.py measured per-channel against
+# SmolLM2 in bf16: see bench/RESULTS.md.
+INT8_GROUP_SIZE: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -58,14 +65,35 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` through ``op``, the backend's ``linear`` (``F.linear``'s signature)."""
+    """``nn.Linear`` through the backend's ``linear`` (``F.linear``'s signature); once
+    :meth:`to_int8` made its weight int8 with a float32 scale per group (``weight_scale``),
+    through the backend's ``linear_int8``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 op: Callable[..., torch.Tensor]) -> None:
+                 backend: Backend) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.op = op
+        self.op: Callable[..., torch.Tensor] = backend.linear
+        self.op_int8: Callable[..., torch.Tensor] = backend.linear_int8
+        self.weight_scale: torch.Tensor | None
+        self.register_buffer("weight_scale", None)
+
+    def to_int8(self, group: int | None) -> None:
+        """Make the weight int8 (``[out, in]``) with a float32 scale per ``group`` inputs
+        (``[out, in / group]``; None: per output channel), both uninitialized on the weight's
+        device: ``LlamaForCausalLM.load_weights`` quantizes into them or copies a quantized
+        checkpoint's."""
+        n, k = self.weight.shape
+        if group is not None and k % group:
+            raise ValueError(f"int8 groups of {group} do not divide {k} inputs")
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=torch.int8, device=device),
+                                   requires_grad=False)
+        self.weight_scale = torch.empty(n, 1 if group is None else k // group,
+                                        dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return self.op_int8(x, self.weight, self.weight_scale, self.bias)
         return self.op(x, self.weight, self.bias)
 
 
@@ -123,8 +151,8 @@ class Attention(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         self.qk_size = q_size + kv_size
         self.fused = backend.fused
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, backend.linear)
-        self.o_proj = Linear(q_size, config.hidden_size, False, backend.linear)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias, backend)
+        self.o_proj = Linear(q_size, config.hidden_size, False, backend)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         # Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
         self.q_norm: RMSNorm | None = None
@@ -159,9 +187,8 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, False,
-                                   backend.linear)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False,
-                                backend.linear)
+                                   backend)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, False, backend)
         self.fused = backend.fused
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
@@ -226,7 +253,7 @@ class LlamaForCausalLM(nn.Module):
         self.linear = backend.linear
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.linear)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend)
         self._decode_layers: native.DecodeLayers | None = None  # built on first use
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -235,17 +262,36 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def empty(cls, config: PretrainedConfig, backend: Backend, max_positions: int,
-              device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+              device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+              int8_group: int | None = INT8_GROUP_SIZE) -> LlamaForCausalLM:
         """The model with its weights allocated, uninitialized, in ``dtype`` on ``device``:
         built on the meta device, so no float32 copy and no random init ever exist (an 8B
-        model would need 32 GB for those); :meth:`load_weights` fills them."""
+        model would need 32 GB for those); :meth:`load_weights` fills them. With
+        ``quantization="int8"``, the projections (:meth:`int8_linears`) are int8 with a scale
+        per ``int8_group`` inputs (None: per output channel) from the start: no bf16 copy of
+        them either."""
+        if quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {quantization!r}")
         with torch.device("meta"):
             model = cls(config, backend, max_positions)
         rotary = model.rotary  # computed tables (see __init__), which to_empty would drop
         del model.rotary
-        model = model.to(dtype=dtype).to_empty(device=device)
+        model = model.to(dtype=dtype)
+        if quantization == "int8":  # after .to(dtype), which would cast the float32 scales
+            for linear in model.int8_linears():
+                linear.to_int8(int8_group)
+        model = model.to_empty(device=device)
         model.rotary = rotary.to(device=device, dtype=dtype)
         return model
+
+    def int8_linears(self) -> list[Linear]:
+        """The projections ``quantization="int8"`` makes int8: each layer's qkv, o, gate_up
+        and down (the embeddings and lm_head stay as they are)."""
+        found: list[Linear] = []
+        for layer in self.layers:
+            found += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                      layer.mlp.down_proj]
+        return found
 
     def forward(
         self,
@@ -306,9 +352,16 @@ class LlamaForCausalLM(nn.Module):
         return self.linear(hidden, self.embed_tokens.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...)."""
+        """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...).
+
+        Into an int8 projection (``empty(quantization="int8")``), a float tensor is quantized
+        as it is copied (its rows' scales with it: scales are per row, so the fused q/k/v and
+        gate/up parts quantize apart as they would together); an int8 tensor is copied as it is
+        and its scales come as ``<name>.weight_scale`` (GGUF Q8_0, ``loader.iter_gguf``).
+        """
         self._decode_layers = None  # holds the weights' addresses
-        params = dict(self.named_parameters())
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".weight_scale"))
         stacked = {  # HF name part -> (our param part, shard index)
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
@@ -329,16 +382,35 @@ class LlamaForCausalLM(nn.Module):
                     param = params[name]
                     sizes = self._shard_sizes(target, param.shape[0])
                     offset = sum(sizes[:shard])
-                    param.data[offset : offset + sizes[shard]].copy_(tensor)
+                    rows = slice(offset, offset + sizes[shard])
                     break
             else:
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-                params[name].data.copy_(tensor)
-            loaded.add(name)
+                rows = slice(None)
+            loaded |= self._copy_weight(params, name, rows, tensor)
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    @staticmethod
+    def _copy_weight(params: dict[str, torch.Tensor], name: str, rows: slice,
+                     tensor: torch.Tensor) -> set[str]:
+        """Copy ``tensor`` into ``rows`` of parameter ``name``, quantizing it when the parameter
+        is int8 and the tensor is not; the names it filled."""
+        param = params[name]
+        if param.dtype != torch.int8 or tensor.dtype == torch.int8:
+            if tensor.dtype == torch.int8 and param.dtype != torch.int8:
+                raise ValueError(f"{name} is int8 in the checkpoint: load it with "
+                                 "quantization='int8'")
+            param.data[rows].copy_(tensor)
+            return {name}
+        scale_name = name.removesuffix("weight") + "weight_scale"
+        scale = params[scale_name]
+        q, s = int8.quantize(tensor, param.shape[1] // scale.shape[1])
+        param.data[rows].copy_(q)
+        scale.data[rows].copy_(s)
+        return {name, scale_name}
 
     def _shard_sizes(self, target: str, total: int) -> list[int]:
         if target == "qkv_proj":
