@@ -1,4 +1,5 @@
-"""kvbatch job contract and client SDK: ``from jobs import Client, AsyncClient, Pipeline``."""
+"""kvbatch job contract and client SDK: ``from jobs import Client, AsyncClient, Pipeline``
+(``RemoteClient``: a pipeline's client on the HTTP API)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 _EXPORTS = {
     "Client": "jobs.sdk", "JobHandle": "jobs.sdk", "BatchHandle": "jobs.sdk",
     "BatchCounts": "jobs.sdk", "JobFailed": "jobs.sdk",
-    "Pipeline": "jobs.pipeline",
+    "Pipeline": "jobs.pipeline", "RemoteClient": "jobs.remote",
     "AsyncClient": "jobs.aio", "AsyncJobHandle": "jobs.aio", "AsyncBatchHandle": "jobs.aio",
 }
 __all__ = sorted(_EXPORTS)

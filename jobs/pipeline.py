@@ -38,8 +38,8 @@ from pydantic_core import to_jsonable_python
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from jobs.pipeline_client import PipelineClient
     from jobs.pipeline_run import PipelineResult
-    from jobs.sdk import Client
 
 RowDict = dict[str, Any]
 Prompt = str | list[dict[str, Any]]  # a user message's text, or chat messages
@@ -227,13 +227,14 @@ class Pipeline:
             self.rows[name] = source  # type: ignore[assignment]  # not a Stage: rows
         return stage
 
-    def run(self, client: Client, output: str | Path | None = None, *,
+    def run(self, client: PipelineClient, output: str | Path | None = None, *,
             errors: str | Path | None = None, progress: bool | None = None,
             timeout_s: float | None = None) -> PipelineResult:
         """Run every stage to its end, submitting only the jobs not already stored.
 
         Args:
-            client: the SDK client the jobs go through.
+            client: what the jobs go through: the SDK's ``Client`` (Redis and SQL), or a
+                ``jobs.RemoteClient`` (the HTTP API with an API key, the rows that key's).
             output: a file of the rows out of the last stages (those no stage reads), each
                 with its lineage columns (``_stage``, ``_key``, ``_parent``, ``_lineage``):
                 Parquet when the name ends in ``.parquet`` (written when the run ends), else

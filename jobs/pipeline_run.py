@@ -6,10 +6,11 @@ on: when a job finishes, its row is parsed (or retried with another seed), filte
 into the stages it feeds and submitted there at once (one submission per stage for the jobs
 one read found done), so a stage starts on its first rows while the stage before is still
 running. A stage's jobs have priority ``-depth`` (0 for a first stage, -1 for the stages it
-feeds, ...): they pass the backlog of the stages before them. Submissions go through
-``Client.submit_batch`` with the row's key as ``custom_id``: a row the stage's batch already
+feeds, ...): they pass the backlog of the stages before them. Submissions go through the
+client's ``submit_rows`` with the row's key as ``custom_id``: a row the stage's batch already
 holds (from a run that was interrupted, or finished) is not submitted again, and its stored
-result is used.
+result is used. The client is any :class:`jobs.pipeline_client.PipelineClient`: the SDK's
+``Client`` (Redis and SQL) or ``RemoteClient`` (the HTTP API with a key), the same run.
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from typing import TYPE_CHECKING
 
 from pydantic_core import to_jsonable_python
 
-from jobs.follow import Follower
 from jobs.pipeline import Pipeline, RowDict, Stage, canonical
+from jobs.pipeline_client import JobFeed, PipelineClient
 from jobs.pipeline_output import RecordSink, open_sink, output_record, to_dataset
-from jobs.rows import Row
 from jobs.schemas import JobInfo, JobStatus
-from jobs.sdk import Client
 
 if TYPE_CHECKING:
     import datasets
@@ -132,7 +131,8 @@ class _Task:
 class PipelineRun:
     """The state of one run: the jobs followed, what each stage did, the open outputs."""
 
-    def __init__(self, pipeline: Pipeline, client: Client, progress: bool | None) -> None:
+    def __init__(self, pipeline: Pipeline, client: PipelineClient,
+                 progress: bool | None) -> None:
         self.pipeline, self.client = pipeline, client
         self.fed = {s: [c for c in pipeline.stages if c.source is s] for s in pipeline.stages}
         self.depth: dict[Stage, int] = {}  # stages from a first stage (sources come first)
@@ -140,7 +140,7 @@ class PipelineRun:
             self.depth[s] = 0 if s.source is None else self.depth[s.source] + 1
         self.pending: dict[str, _Task] = {}  # job id -> its task
         self.outbox: dict[tuple[Stage, int], list[_Task]] = {}  # (stage, try) -> to submit
-        self.follower: Follower | None = None  # made once the first rows are submitted
+        self.feed: JobFeed | None = None  # made once the first rows are submitted
         self.result = PipelineResult(summary={s.name: StageSummary() for s in pipeline.stages})
         enabled = sys.stderr.isatty() if progress is None else progress
         from tqdm import tqdm
@@ -165,13 +165,12 @@ class PipelineRun:
             if errors is not None:
                 self.errors = open_sink(errors)
                 stack.callback(self._close, self.errors)
-            jobs = self.client.jobs
             for stage in self.pipeline.stages:
                 if stage.source is None:
                     self._enter(stage, self.pipeline.rows[stage.name], {}, "")
             self._flush()
-            self.follower = jobs.follower(list(self.pending), timeout_s)
-            for infos in jobs.follow_open(self.follower):
+            self.feed = self.client.follow_jobs(list(self.pending), timeout_s)
+            for infos in self.feed:
                 for info in infos:
                     self._done(self.pending.pop(info.id), info)
                 self._flush()  # what they feed: a submission per stage and try
@@ -219,18 +218,17 @@ class PipelineRun:
                                       "attempt": attempt}})
         if not rows:
             return
-        rejected: dict[str, Row] = {}
         # a later stage's jobs go first (lower priority runs first): a row done in one stage
         # passes the backlog of the stage before, so rows reach the end from the start
-        handle = self.client.submit_batch(rows, batch_id=stage.batch_id, model=stage.model,
-                                          priority=-self.depth[stage], rejected=rejected,
-                                          **stage.job_sampling(attempt))
-        for custom_id, row in rejected.items():
-            self._fail(by_id[custom_id], row.error)
-        submitted = {job_id: by_id[c] for c, job_id in handle.submitted.items()}
+        done = self.client.submit_rows(stage.batch_id, rows, model=stage.model,
+                                       priority=-self.depth[stage],
+                                       sampling=stage.job_sampling(attempt))
+        for custom_id, error in done.rejected.items():
+            self._fail(by_id[custom_id], error)
+        submitted = {job_id: by_id[c] for c, job_id in done.job_ids.items()}
         self.pending.update(submitted)
-        if self.follower is not None:
-            self.client.jobs.follow_more(self.follower, list(submitted))
+        if self.feed is not None:
+            self.feed.add(list(submitted))
 
     def _done(self, task: _Task, info: JobInfo) -> None:
         stage, summary = task.stage, self.result.summary[task.stage.name]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -32,6 +32,8 @@ from engine.sampling_params import SamplingParams
 from jobs.client import JobClient
 from jobs.constants import DEFAULT_MODEL, EMBED_TEXTS_PER_JOB
 from jobs.echo import quote
+from jobs.follow import Follower
+from jobs.pipeline_client import JobFeed, Submitted
 from jobs.rows import Row, parse_row, rejected_row
 from jobs.schemas import (
     BatchStatus,
@@ -394,6 +396,36 @@ class Client:
         # A batch that existed holds rows these did not name: its handle reads them all.
         return BatchHandle(self.jobs, batch_id, job_ids if current is None else None, job_ids)
 
+    def submit_rows(self, batch_id: str, rows: Sequence[Mapping[str, Any]], *,
+                    model: str | None = None, priority: int = 0,
+                    sampling: Mapping[str, Any] | None = None) -> Submitted:
+        """Submit ``rows`` to batch ``batch_id`` as :meth:`submit_batch` does (``custom_id``
+        the key), each row that cannot run rejected alone: the pipeline run's transport
+        (:class:`jobs.pipeline_client.PipelineClient`).
+
+        Args:
+            batch_id: the batch (made by the first submission).
+            rows: plain rows, each with a ``custom_id``.
+            model: served model name (default: the client's).
+            priority: the rows' priority (lower runs first).
+            sampling: sampling fields of every row.
+        """
+        rejected: dict[str, Row] = {}
+        handle = self.submit_batch(rows, batch_id=batch_id, model=model, priority=priority,
+                                   rejected=rejected, **(sampling or {}))
+        return Submitted(dict(handle.submitted),
+                         {c: row.error or "rejected" for c, row in rejected.items()})
+
+    def follow_jobs(self, job_ids: Collection[str], timeout_s: float | None = None) -> JobFeed:
+        """Follow ``job_ids`` to their ends, more added as it goes (a
+        :class:`jobs.pipeline_client.JobFeed`: one done-channel subscription and SQL poll).
+
+        Args:
+            job_ids: the jobs to follow first.
+            timeout_s: iterating raises ``TimeoutError`` if they are not all done by then.
+        """
+        return _FollowedJobs(self.jobs, self.jobs.follower(job_ids, timeout_s))
+
     def check_batch(self, rows: Iterable[Mapping[str, Any] | Row], *, batch_id: str,
                     model: str | None = None, system_prompt: str | None = None,
                     priority: int = 0, deadline: datetime | None = None,
@@ -489,6 +521,19 @@ class Client:
             model: served model name.
         """
         return self.jobs.serves(model or self.model)
+
+
+class _FollowedJobs:
+    """A :class:`~jobs.pipeline_client.JobFeed` on a ``JobClient`` follower."""
+
+    def __init__(self, jobs: JobClient, follower: Follower) -> None:
+        self.jobs, self.follower = jobs, follower
+
+    def add(self, job_ids: Collection[str]) -> None:
+        self.jobs.follow_more(self.follower, job_ids)
+
+    def __iter__(self) -> Iterator[list[JobInfo]]:
+        return self.jobs.follow_open(self.follower)
 
 
 def embedding_specs(texts: Sequence[str], *, model: str, dimensions: int | None,

@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jobs.api.commands import add_api_commands
 from jobs.commands import (
@@ -26,6 +27,10 @@ from jobs.constants import DEFAULT_MODEL
 from jobs.demo import add_demo_command
 from jobs.settings import connection_settings
 from jobs.tables import printable
+
+if TYPE_CHECKING:
+    from jobs.remote import RemoteClient
+    from jobs.sdk import Client
 
 
 def _bench(bench_args: list[str]) -> int:
@@ -88,7 +93,7 @@ def _pipeline(args: argparse.Namespace) -> int:
     pipeline = runpy.run_path(args.file, run_name="kvbatch_pipeline").get("pipeline")
     if not isinstance(pipeline, Pipeline):
         raise ValueError(f"{args.file} defines no module-level `pipeline` (a jobs.Pipeline)")
-    with command_client(args, args.model) as client:
+    with _pipeline_client(args) as client:
         try:
             result = pipeline.run(client, output=args.output, errors=args.errors,
                                   progress=args.progress)
@@ -98,6 +103,18 @@ def _pipeline(args: argparse.Namespace) -> int:
             return EXIT_INTERRUPTED
     print(result.table())
     return 0
+
+
+def _pipeline_client(args: argparse.Namespace) -> Client | RemoteClient:
+    """The HTTP API's client with ``--api`` (or ``$KVBATCH_API_URL``), else the SDK's on the
+    command's Redis and SQL."""
+    import os
+
+    from jobs.remote import URL_ENV, RemoteClient
+
+    if args.api or os.environ.get(URL_ENV):
+        return RemoteClient(args.api, args.api_key, model=args.model)
+    return command_client(args, args.model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="served model of the stages that name none")
     pipeline.add_argument("--no-progress", dest="progress", action="store_false",
                           default=None)
+    pipeline.add_argument("--api", metavar="URL",
+                          help="run through the HTTP API at URL (default $KVBATCH_API_URL; "
+                               "unset: on Redis and SQL directly)")
+    pipeline.add_argument("--api-key", help="the API key (default $KVBATCH_API_KEY)")
     connection_arguments(pipeline)
     pipeline.set_defaults(func=_pipeline)
 

@@ -8,6 +8,8 @@
 ``keys``            API keys: made, listed, revoked, checked (only hashes are stored)
 ``storage``         where uploaded files live (:class:`DirectoryStorage`)
 ``records``         the SQL of files and batch objects
+``rows``            rows of a key's named batches, submitted and followed job by job (the
+                    transport of a pipeline run: ``jobs.remote.RemoteClient``)
 ``settings``        ``KVBATCH_API_*``
 ==================  =====================================================================
 

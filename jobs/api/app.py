@@ -1,5 +1,6 @@
 """The FastAPI application of ``kvbatch serve``: OpenAI's Files and Batches endpoints and
-``/v1/models``, each behind an API key.
+``/v1/models``, and the rows of a key's named batches (``jobs.api.rows``: what a pipeline run
+needs), each behind an API key.
 
 Every object belongs to the key that created it: another key gets 404 for it, exactly as for an
 id that does not exist. A missing, unknown or revoked key gets 401. Neither keys nor the
@@ -30,6 +31,7 @@ from jobs.api.keys import KeyStore
 from jobs.api.objects import ApiError, batch_object, file_object, list_object, not_found
 from jobs.api.quotas import Quotas
 from jobs.api.records import ApiRecords, new_id
+from jobs.api.rows import row_routes
 from jobs.api.settings import ApiSettings
 from jobs.api.storage import DirectoryStorage, FileStorage, Upload
 from jobs.client import JobClient
@@ -153,6 +155,8 @@ def create_app(settings: ApiSettings, conn: ConnectionSettings,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runner, app.state.keys = runner, keys
     app.add_middleware(BodyLimit, read_timeout_s=settings.body_read_timeout_s)
+
+    app.include_router(row_routes(client, records, runner.quotas, owner, runner.served_models))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -70,10 +70,11 @@ class Quotas:
 
     @staticmethod
     def queued_rows(session: Session, owner: str) -> int:
-        """Requests of ``owner``'s batches queued or running."""
+        """Requests of ``owner``'s batches queued or running: its API batches' and its named
+        batches' (``jobs.api.rows``), the batches whose tenant it is."""
         return int(session.scalar(
-            select(func.count()).select_from(Job).join(ApiBatch, ApiBatch.id == Job.batch_id)
-            .where(ApiBatch.owner_id == owner,
+            select(func.count()).select_from(Job).join(Batch, Batch.id == Job.batch_id)
+            .where(Batch.owner == owner,
                    Job.status.in_([s.value for s in ACTIVE_STATUSES]))) or 0)
 
 

@@ -66,6 +66,21 @@ class BatchStore:
             session.add_all(with_rows)
         return row
 
+    def open(self, batch_id: str, model: str, owner: str,
+             meta: dict[str, Any] | None = None) -> str | None:
+        """Make queue batch ``batch_id`` of tenant ``owner`` (``in_progress``, as
+        ``ProducerStore.insert_jobs`` makes one) unless it exists; the batch's tenant (another
+        one's if the id was taken: the caller refuses it)."""
+        with Session(self.engine) as session, session.begin():
+            found = session.execute(select(Batch.owner).where(Batch.id == batch_id)).first()
+            if found is not None:
+                return found.owner
+            now = db_now(session)
+            session.add(Batch(id=batch_id, model=model, meta=meta or {}, created_at=now,
+                              started_at=now, num_jobs=0, owner=owner,
+                              status=BatchStatus.IN_PROGRESS.value))
+        return owner
+
     def fence(self, batch_id: str, token: int) -> bool:
         """Record ``token``, a fencing token of the batch's lease, as the newest: writes that
         carry an older one are refused from now on. False if a newer one is there."""

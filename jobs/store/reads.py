@@ -81,6 +81,16 @@ class JobReader:
             ).all()
         return [(r.id, r.custom_id, JobStatus(r.status)) for r in rows]
 
+    def owned_job_ids(self, owner: str, job_ids: Sequence[str], chunk: int = 1000) -> set[str]:
+        """Those of ``job_ids`` in batches of tenant ``owner`` (one query per ``chunk``)."""
+        found: set[str] = set()
+        with Session(self.engine) as session:
+            for start in range(0, len(job_ids), chunk):
+                found.update(session.scalars(
+                    select(Job.id).join(Batch, Batch.id == Job.batch_id).where(
+                        Batch.owner == owner, Job.id.in_(job_ids[start:start + chunk]))))
+        return found
+
     def batch_job_ids_of(self, batch_id: str, custom_ids: Sequence[str],
                          chunk: int = 1000) -> dict[str, str]:
         """``custom_id`` -> job id of those of ``custom_ids`` that batch ``batch_id`` holds
