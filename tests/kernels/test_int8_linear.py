@@ -1,0 +1,130 @@
+"""Weight-only int8: quantize/dequantize bounds, and the C kernel (both its paths), the CPU
+dispatch and the Triton kernel (under the interpreter without CUDA) against
+``kernels.int8.linear_reference`` on awkward shapes: 1, 3, 17 rows, K not a multiple of the
+vector width, N not a multiple of the row tile, per-channel and per-32 scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import int8, native
+from kernels.int8_triton import linear_int8 as linear_int8_triton
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (N, K, group): K of 13 and 100 leave a scalar tail after the vectors; 1539 a long one; 96
+# and 576 with groups of 32 (Q8_0's); 80 with 16, smaller than an AVX-512 vector.
+SHAPES = [(7, 13, None), (33, 100, None), (65, 96, 32), (130, 576, 32), (66, 1539, None),
+          (9, 80, 16)]
+
+
+def _case(rows: int, n: int, k: int, group: int | None, seed: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed + rows * 1000 + n + k)
+    # Each output row's magnitude varies, so per-row and per-group scales really differ.
+    weight = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 4
+    if group is not None:  # and each group's
+        weight *= torch.rand(n, k // group, generator=gen).repeat_interleave(group, dim=1) + 0.1
+    q, scale = int8.quantize(weight, group)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    return x, q, scale, bias
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    # float32 accumulation in another order; bf16 outputs rounded once more.
+    tol = (1e-5 if dtype == torch.float32 else 8e-3) * float(want.float().abs().max())
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+def test_round_trip_is_within_half_a_step(n: int, k: int, group: int | None) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=gen) * 3
+    q, scale = int8.quantize(weight, group)
+    g = k if group is None else group
+    assert q.dtype == torch.int8 and scale.shape == (n, k // g)
+    step = scale.repeat_interleave(g, dim=1)
+    error = (int8.dequantize(q, scale) - weight).abs()
+    assert bool((error <= step / 2 * (1 + 1e-6)).all())
+    # each group's largest magnitude is exactly +-127 (the scale is not wasted), never -128
+    assert torch.equal(q.reshape(n, -1, g).abs().amax(-1), torch.full((n, k // g), 127,
+                                                                        dtype=torch.int8))
+    assert int(q.min()) >= -127
+
+
+def test_a_zero_group_quantizes_to_zero() -> None:
+    weight = torch.randn(3, 64)
+    weight[1, 32:] = 0
+    q, scale = int8.quantize(weight, 32)
+    assert float(scale[1, 1]) == 0.0 and not q[1, 32:].any()
+    assert torch.equal(int8.dequantize(q, scale)[1, 32:], torch.zeros(32))
+
+
+def test_scales_that_do_not_divide_k_are_refused() -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        int8.quantize(torch.randn(4, 100), 32)
+    q, _ = int8.quantize(torch.randn(4, 96), 32)
+    with pytest.raises(ValueError, match="do not divide"):  # 5 scales a row of 96
+        native.linear_int8_rows(torch.randn(1, 96), q, torch.ones(4, 5))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("n", "k", "group"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_c_kernel_matches_the_reference(rows: int, n: int, k: int, group: int | None,
+                                        dtype: torch.dtype, portable: bool) -> None:
+    x, q, scale, bias = _case(rows, n, k, group)
+    x = x.to(dtype)
+    want = int8.linear_reference(x, q, scale, bias)
+    got = native.linear_int8_rows(x, q, scale, bias, portable=portable)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    _assert_close(got, want, dtype)
+    # without the bias too (a NULL pointer in C)
+    _assert_close(native.linear_int8_rows(x, q, scale, portable=portable),
+                  int8.linear_reference(x, q, scale), dtype)
+
+
+def test_the_build_has_the_avx512_path_where_the_cpu_does() -> None:
+    # Otherwise the "native" cases above test the portable path twice.
+    has = native.library("cpu_int8").linear_int8_has_avx512()
+    assert bool(has) == ("avx512f" in native._cpu_flags().split())
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])  # past LINEAR_INT8_MAX_ROWS: dequantize + GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype) -> None:
+    x, q, scale, bias = _case(rows, 130, 576, 32)
+    x = x.to(dtype)
+    _assert_close(native.linear_int8(x, q, scale, bias), int8.linear_reference(x, q, scale, bias),
+                  dtype)
+
+
+def test_a_row_does_not_depend_on_the_others() -> None:
+    # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
+    x, q, scale, bias = _case(17, 65, 100, None)
+    alone = torch.cat([native.linear_int8_rows(x[i : i + 1], q, scale, bias) for i in range(17)])
+    assert torch.equal(native.linear_int8_rows(x, q, scale, bias), alone)
+
+
+def test_the_reference_is_the_dequantized_product() -> None:
+    # The spec itself, against float64 on the dequantized weights written out by hand.
+    x, q, scale, bias = _case(3, 9, 80, 16)
+    w = q.double() * scale.double().repeat_interleave(16, dim=1)
+    want = x.double() @ w.T + bias.double()
+    torch.testing.assert_close(int8.linear_reference(x, q, scale, bias).double(), want,
+                               rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("n", "k", "group"), [(7, 13, None), (65, 96, 32), (33, 100, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_matches_the_reference(rows: int, n: int, k: int, group: int | None,
+                                             dtype: torch.dtype) -> None:
+    x, q, scale, bias = _case(rows, n, k, group)
+    x = x.to(dtype)
+    want = int8.linear_reference(x, q, scale, bias)
+    got = linear_int8_triton(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), bias.to(DEVICE))
+    assert got.dtype == dtype and got.shape == (rows, n)
+    _assert_close(got.cpu(), want, dtype)
