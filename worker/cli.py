@@ -194,6 +194,7 @@ def error_line(exc: BaseException) -> str:
     from sqlalchemy.exc import DBAPIError
 
     from jobs.db import SchemaNotReady
+    from jobs.remote import RemoteError
     from jobs.sdk import validation_message
 
     if isinstance(exc, SchemaNotReady | ValueError) and not isinstance(exc, ValidationError):
@@ -202,6 +203,8 @@ def error_line(exc: BaseException) -> str:
         return validation_message(exc.errors())
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return f"cannot reach Redis: {_first_line(exc)}"
+    if isinstance(exc, RemoteError):
+        return f"the HTTP API: {_first_line(exc)}"
     if isinstance(exc, DBAPIError):
         return (f"database error: {_first_line(exc.orig or exc)} (is the database reachable and "
                 f"migrated? kvbatch db upgrade)")

@@ -14,8 +14,10 @@ import sqlalchemy as sa
 from api_server import ApiServer
 from sqlalchemy import Engine
 
+from jobs.api.keys import KeyStore
 from jobs.api.rows import tenant_batch_id
 from jobs.remote import RemoteClient, RemoteError
+from worker.cli import main
 
 
 def _rows(*custom_ids: str) -> list[dict]:
@@ -102,3 +104,24 @@ def test_named_batch_rows_count_against_the_queued_requests_quota(  # type: igno
     assert len(_jobs(engine)) == 2
     RemoteClient(server.url, make_key("b"), model="tiny").submit_rows("p.s.2", _rows("z", "w"))
     assert len(_jobs(engine)) == 4  # another key's quota is its own
+
+
+def test_the_command_says_in_one_line_what_the_api_refused(  # type: ignore[no-untyped-def]
+        server: ApiServer, make_key: Callable[[str], str], engine: Engine, tmp_path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "p.py"
+    script.write_text("from jobs import Pipeline\npipeline = Pipeline('p')\n"
+                      "pipeline.stage('s', source=[{'i': 1}], prompt=str)\n")
+    monkeypatch.delenv("KVBATCH_API_KEY", raising=False)
+    run = ["pipeline", "run", str(script), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny",
+           "--api", server.url]
+    revoked = make_key("gone")
+    KeyStore(engine).revoke(revoked[4:16])
+    for extra, line in (
+            ([], "the HTTP API needs a key: --api-key or $KVBATCH_API_KEY (kvbatch keys "
+                 "create NAME makes one)"),
+            (["--api-key", revoked], "the HTTP API: HTTP 401: Incorrect API key provided "
+                                     "(unknown or revoked).")):
+        assert main([*run, *extra]) == 1
+        assert capsys.readouterr().err.splitlines() == [f"kvbatch pipeline: {line}"]
+    assert _jobs(engine) == []
