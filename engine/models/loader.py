@@ -1,4 +1,5 @@
-"""Finding model directories, converting the built-in GGUF default once, loading weights."""
+"""Finding model directories, converting the built-in GGUF default once, loading weights
+(safetensors; GGUF with ``Q8_0`` projections loaded as int8, :func:`iter_gguf`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -178,3 +180,76 @@ def eos_token_ids(model_dir: Path, config: PretrainedConfig, tokenizer: PreTrain
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+# llama.cpp's tensor names of the projections an int8 model keeps int8, and Hugging Face's.
+GGUF_PROJECTIONS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_OTHERS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_GLOBALS = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+Q8_0_BLOCK = 32  # int8 values per fp16 scale in a Q8_0 block (34 bytes: the scale first)
+
+
+def iter_gguf(path: Path, config: PretrainedConfig, int8: bool
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a llama.cpp GGUF file of a Llama-family model, under Hugging Face names.
+
+    With ``int8``, each projection stored as ``Q8_0`` comes as it is stored, no float copy on
+    the way: ``<name>.weight`` int8 ``[out, in]`` and ``<name>.weight_scale`` float32 ``[out,
+    in / 32]`` (the blocks' fp16 scales, widened exactly), what ``LlamaForCausalLM.load_weights``
+    copies into an int8 model's projections. Every other tensor (norms, embeddings, other
+    quantization types; every tensor without ``int8``) is dequantized to float32 by ``gguf``.
+    q and k are stored with their rows permuted for llama.cpp's RoPE; they are permuted back
+    (rows only, so a Q8_0 weight's scales move with their rows).
+    """
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name == "rope_freqs.weight":  # Llama 3's RoPE scaling, computed from the config
+            continue
+        shape = [int(d) for d in reversed(tensor.shape)]  # ggml lists the innermost first
+        if name in GGUF_GLOBALS:
+            hf_name, kind = GGUF_GLOBALS[name], None
+        else:
+            parts = name.split(".")  # blk.N.<kind>.weight
+            if len(parts) != 4 or parts[0] != "blk" or parts[3] not in ("weight", "bias"):
+                raise ValueError(f"{path}: unexpected tensor {name!r}")
+            kind = parts[2]
+            target = GGUF_PROJECTIONS.get(kind) or GGUF_OTHERS.get(kind)
+            if target is None:
+                raise ValueError(f"{path}: unexpected tensor {name!r}")
+            hf_name = f"model.layers.{parts[1]}.{target}.{parts[3]}"
+        if (int8 and kind in GGUF_PROJECTIONS and parts[3] == "weight"
+                and tensor.tensor_type == GGMLQuantizationType.Q8_0):
+            rows, cols = shape
+            blocks = np.asarray(tensor.data).reshape(rows * cols // Q8_0_BLOCK, 2 + Q8_0_BLOCK)
+            scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).float()
+            q = torch.from_numpy(blocks[:, 2:].copy().view(np.int8))
+            q, scale = q.reshape(rows, cols), scale.reshape(rows, cols // Q8_0_BLOCK)
+            if kind in heads:
+                q, scale = _unpermute_rows(q, heads[kind]), _unpermute_rows(scale, heads[kind])
+            yield hf_name, q
+            yield hf_name + "_scale", scale.contiguous()
+            continue
+        values = torch.from_numpy(  # a copy: the reader's arrays map the file read-only
+            np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        ).reshape(shape)
+        if kind in heads:
+            values = _unpermute_rows(values, heads[kind])
+        yield hf_name, values
+
+
+def _unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf``'s ``permute``): within
+    each head, its rows are stored as (pair, half) where Hugging Face has (half, pair)."""
+    rows = t.shape[0]
+    out = t.reshape(num_heads, rows // num_heads // 2, 2, *t.shape[1:]).transpose(1, 2)
+    return out.reshape(t.shape).contiguous()

@@ -1,0 +1,171 @@
+"""``quantization="int8"``: the engine on tiny random models against the torch reference path
+(same quantized weights) and against float32; the weights the model holds; the config's and the
+flag's way in; GGUF ``Q8_0`` projections loaded as int8 as they are stored."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize, quantize
+
+from engine import EngineConfig, LLMEngine
+from engine.models import loader
+from engine.models.llama import LlamaForCausalLM
+from engine.sampling_params import SamplingParams
+from kernels import get_ops, int8
+from worker.settings import add_settings_arguments, settings_from_args
+
+PROMPTS = ["hello world", "the cat sat on the mat", "abc def ghi jkl mno", "x", "0123456789"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+
+
+def _generate(model: Path, **kw: object) -> list:
+    engine = LLMEngine(EngineConfig(model=str(model), **kw))  # type: ignore[arg-type]
+    return engine.generate(PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa3-hd10", "qwen2-bias", "llama-gqa8-tied"])
+def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str, Path],
+                                                           name: str) -> None:
+    # The torch backend runs kernels.int8.linear_reference on the same quantized weights.
+    cpu = _generate(tiny_models[name], dtype="float32", quantization="int8")
+    ref = _generate(tiny_models[name], dtype="float32", quantization="int8",
+                    attention_backend="torch")
+    for c, r in zip(cpu, ref, strict=True):
+        assert c.token_ids == r.token_ids
+        for lc, lr in zip(c.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+            assert lc.keys() == lr.keys()
+            assert all(abs(lc[t] - lr[t]) < 1e-4 for t in lc)
+
+
+def test_int8_is_close_to_float32_and_not_equal(tiny_model: Path) -> None:
+    fp32 = _generate(tiny_model, dtype="float32")
+    q8 = _generate(tiny_model, dtype="float32", quantization="int8")
+    differences = []
+    for f, q in zip(fp32, q8, strict=True):
+        first_f, first_q = f.outputs[0].logprobs[0], q.outputs[0].logprobs[0]
+        assert f.token_ids[0] == q.token_ids[0]  # the prompt's own next token agrees
+        differences += [abs(first_f[t] - first_q[t]) for t in first_f.keys() & first_q.keys()]
+    assert max(differences) < 0.05  # per-channel int8 of weights ~N(0, 0.1)
+    assert max(differences) > 0  # ... and the int8 weights did run
+
+
+def test_projections_hold_int8_and_the_rest_stays_float(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["qwen2-bias"]  # a q/k/v bias too, which stays float
+    model = LlamaForCausalLM.empty(loader.load_config(path), get_ops("cpu"), 64,
+                                   torch.device("cpu"), torch.bfloat16, "int8")
+    model.load_weights(loader.iter_safetensors(path))
+    checkpoint = dict(loader.iter_safetensors(path))
+    for i, layer in enumerate(model.layers):
+        for linear, parts in ((layer.self_attn.qkv_proj, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp.down_proj, ("down_proj",))):
+            assert linear.weight.dtype == torch.int8
+            assert linear.weight_scale.dtype == torch.float32
+            assert linear.weight_scale.shape == (linear.weight.shape[0], 1)  # per channel
+            where = "self_attn" if parts[0] != "down_proj" else "mlp"
+            want = torch.cat([checkpoint[f"model.layers.{i}.{where}.{p}.weight"] for p in parts])
+            got = int8.dequantize(linear.weight, linear.weight_scale)
+            half_step = linear.weight_scale / 2 * (1 + 1e-6)
+            assert bool(((got - want).abs() <= half_step).all())
+        assert layer.self_attn.qkv_proj.bias.dtype == torch.bfloat16
+        assert layer.input_layernorm.weight.dtype == torch.bfloat16
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_an_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown quantization"):
+        LlamaForCausalLM.empty(None, get_ops("cpu"), 8, torch.device("cpu"),  # type: ignore
+                               torch.float32, "fp8")
+
+
+def test_the_flag_reaches_the_engine(tiny_model: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    settings = settings_from_args(parser.parse_args(
+        ["--model", str(tiny_model), "--quantization", "int8", "--dtype", "float32"]))
+    assert settings.engine.quantization == "int8"
+    engine = LLMEngine(settings.engine)
+    assert engine.runner.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.int8
+    default = settings_from_args(parser.parse_args(["--model", str(tiny_model)]))
+    assert default.engine.quantization is None
+
+
+def _write_q8_0_gguf(model_dir: Path, out: Path) -> None:
+    """The tiny model as llama.cpp's converter writes it: llama.cpp names, q and k rows
+    permuted for its RoPE, projections and embeddings Q8_0, norms float32."""
+    config = loader.load_config(model_dir)
+    hf_to_gguf = {v: k for k, v in loader.GGUF_GLOBALS.items()}
+    parts = {**loader.GGUF_PROJECTIONS, **loader.GGUF_OTHERS}
+    writer = gguf.GGUFWriter(str(out), "llama")
+    for name, tensor in loader.iter_safetensors(model_dir):
+        if name in hf_to_gguf:
+            gguf_name = hf_to_gguf[name]
+        else:
+            layer, target = name.split(".")[2], ".".join(name.split(".")[3:-1])
+            kind = next(k for k, v in parts.items() if v == target)
+            gguf_name = f"blk.{layer}.{kind}.weight"
+        data = tensor.float().numpy()
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+        kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None
+        if kind in heads:  # convert_hf_to_gguf's permute
+            n = heads[kind]
+            data = (data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:])
+                    .swapaxes(1, 2).reshape(data.shape))
+        if data.ndim == 2:
+            writer.add_tensor(gguf_name, quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_q8_0_loads_as_int8_with_its_own_blocks(tiny_models: dict[str, Path],
+                                                     tmp_path: Path) -> None:
+    model_dir = tiny_models["llama-mha"]  # hidden 64, intermediate 96: whole Q8_0 blocks
+    path = tmp_path / "tiny.Q8_0.gguf"
+    _write_q8_0_gguf(model_dir, path)
+    config = loader.load_config(model_dir)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    model = LlamaForCausalLM.empty(config, get_ops("cpu"), 64, torch.device("cpu"),
+                                   torch.float32, "int8", int8_group=32)
+    model.load_weights(loader.iter_gguf(path, config, int8=True))
+    floats = dict(loader.iter_gguf(path, config, int8=False))
+    checkpoint = dict(loader.iter_safetensors(model_dir))
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    assert attn.qkv_proj.weight.dtype == torch.int8 and attn.qkv_proj.weight_scale.shape[1] == 2
+    # The int8 values and fp16 scales are the file's, bit for bit: gguf's own dequantization of
+    # the gate rows (not permuted) is q * scale exactly.
+    gate = torch.from_numpy(dequantize(stored["blk.1.ffn_gate.weight"].data,
+                                       gguf.GGMLQuantizationType.Q8_0).copy())
+    got = int8.dequantize(mlp.gate_up_proj.weight, mlp.gate_up_proj.weight_scale)
+    assert torch.equal(got[:96], gate)
+    # q's rows are permuted back to Hugging Face's order: the float path agrees exactly, and
+    # both are within about half a Q8_0 step of the original checkpoint's q_proj (a rounded
+    # row would be off by a whole step or more somewhere; the step's own fp16 rounding adds
+    # up to 127 * 2^-11 of it).
+    q_rows = int8.dequantize(attn.qkv_proj.weight, attn.qkv_proj.weight_scale)[:64]
+    assert torch.equal(q_rows, floats["model.layers.1.self_attn.q_proj.weight"])
+    original = checkpoint["model.layers.1.self_attn.q_proj.weight"]
+    step = attn.qkv_proj.weight_scale[:64].repeat_interleave(32, dim=1)
+    assert bool(((q_rows - original).abs() <= step * 0.57).all())
+    # Embeddings and norms come as floats (dequantized Q8_0 / float32 as stored).
+    assert model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.norm.weight, checkpoint["model.norm.weight"])
+
+    # A float model loads the same values from the same file (the Q8_0 blocks dequantized).
+    reference = LlamaForCausalLM.empty(config, get_ops("torch"), 64, torch.device("cpu"),
+                                       torch.float32)
+    reference.load_weights(loader.iter_gguf(path, config, int8=False))
+    assert torch.equal(reference.layers[1].mlp.gate_up_proj.weight[:96], gate)
