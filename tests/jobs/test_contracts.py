@@ -106,7 +106,7 @@ def _other_value(field: dataclasses.Field) -> tuple[list[str], object]:  # type:
     """Flag arguments that set ``field`` to a value other than its default, and that value."""
     flag = "--" + field.name.replace("_", "-")
     choices = {"dtype": "bfloat16", "device": "cpu", "attention_backend": "torch",
-               "model": "/models/other"}
+               "model": "/models/other", "quantization": "int8"}
     if field.name in choices:
         return [flag, choices[field.name]], choices[field.name]
     if isinstance(field.default, tuple):  # a repeatable flag (--lora a=/x --lora b=/y)
