@@ -54,6 +54,11 @@ def tenant_batch_id(owner: str, name: str) -> str:
     return f"{owner}::{hashlib.sha256(name.encode()).hexdigest()[:48]}"
 
 
+# The priorities a key may give its rows (lower runs first): a row's own as the request's, so
+# no row jumps the fleet's queue with a priority no request may ask for.
+MAX_PRIORITY = 1000
+
+
 class SubmitRows(BaseModel):
     """``POST /v1/kvbatch/batches/{name}/rows``."""
 
@@ -61,7 +66,7 @@ class SubmitRows(BaseModel):
 
     rows: list[dict[str, Any]] = Field(max_length=MAX_ROWS)
     model: str
-    priority: int = Field(0, ge=-1000, le=1000)
+    priority: int = Field(0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
     sampling: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -140,6 +145,9 @@ def _specs(body: SubmitRows, batch_id: str) -> tuple[list[JobSpec], dict[str, st
             row = parse_row(raw, index)
             if row.error is not None:
                 raise ValueError(row.error)
+            if row.priority is not None and abs(row.priority) > MAX_PRIORITY:
+                raise ValueError(f"priority {row.priority} is outside -{MAX_PRIORITY}.."
+                                 f"{MAX_PRIORITY}, the priorities a key may ask for")
             specs.append(row_spec(row, model=body.model, batch_id=batch_id, system_prompt=None,
                                   defaults=body.sampling, priority=body.priority,
                                   deadline=None, sampling=sampling))

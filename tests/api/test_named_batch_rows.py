@@ -64,11 +64,17 @@ def test_a_row_that_cannot_run_is_rejected_alone_and_a_bad_request_stores_nothin
         server: ApiServer, make_key: Callable[[str], str], engine: Engine) -> None:
     a = RemoteClient(server.url, make_key("a"), model="tiny")
     rows = [*_rows("ok"), {"custom_id": "hot", "prompt": "x", "temperature": -1.0},
-            {"custom_id": "empty"}]
+            {"custom_id": "empty"}, {"custom_id": "first", "prompt": "x", "priority": -1001},
+            {"custom_id": "edge", "prompt": "x", "priority": -1000},
+            {"custom_id": "last", "prompt": "x", "priority": 1001}]
     done = a.submit_rows("p.s.1", rows, sampling={"max_tokens": 4})
-    assert set(done.job_ids) == {"ok"} and set(done.rejected) == {"hot", "empty"}
+    assert set(done.job_ids) == {"ok", "edge"}
+    assert set(done.rejected) == {"hot", "empty", "first", "last"}
     assert "temperature" in done.rejected["hot"]
-    assert [j.custom_id for j in _jobs(engine)] == ["ok"]
+    assert done.rejected["first"] == ("priority -1001 is outside -1000..1000, the priorities a "
+                                      "key may ask for")
+    assert "priority 1001 is outside" in done.rejected["last"]
+    assert [(j.custom_id, j.priority) for j in _jobs(engine)] == [("edge", -1000), ("ok", 0)]
     refusals = [
         (lambda: a.submit_rows("p.s.1", [{"prompt": "no key"}, *_rows("new")]),
          "row 0: a row needs a custom_id"),
@@ -81,7 +87,7 @@ def test_a_row_that_cannot_run_is_rejected_alone_and_a_bad_request_stores_nothin
         with pytest.raises(RemoteError, match=message) as refused:
             submit()
         assert refused.value.status == 400
-    assert [j.custom_id for j in _jobs(engine)] == ["ok"]
+    assert [j.custom_id for j in _jobs(engine)] == ["edge", "ok"]
 
 
 def test_a_long_name_is_stored_under_its_hash() -> None:
