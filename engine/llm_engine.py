@@ -120,7 +120,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching,
                                  num_swap_blocks)
         self.processor = Processor(self.tokenizer, self.info)
-        self.scheduler = Scheduler(config, self.kv, max_model_len, self.processor.stop_reason)
+        self.scheduler = Scheduler(config, self.kv, self.processor.stop_reason)
         self.structured = StructuredOutput(
             self.tokenizer, self.info.vocab_size, self.info.eos_token_ids, native=backend.fused,
             budget=CompileBudget(config.grammar_compile_timeout_s,

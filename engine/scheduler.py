@@ -110,11 +110,10 @@ class Scheduler:
     a recompute starts its pooled sum again.
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+    def __init__(self, config: EngineConfig, kv: KVCacheManager,
                  stop_check: StopCheck | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.max_model_len = max_model_len
         self.stop_check = stop_check  # why a sequence stops after its newest token
         self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
         self.running: list[Sequence] = []

@@ -31,7 +31,7 @@ def make_scheduler(
         max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_prefix_caching=caching
     )
     kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks=swap_blocks)
-    return Scheduler(config, kv, max_model_len=4096, stop_check=at_max_tokens)
+    return Scheduler(config, kv, stop_check=at_max_tokens)
 
 
 def at_max_tokens(seq: Sequence) -> FinishReason | None:
