@@ -154,7 +154,7 @@ def _job_row(spec: JobSpec, created_at: datetime, fed: bool,
         # the column (the model's attribute is ``meta``)
         "metadata": json.dumps(spec.metadata) if json_text else spec.metadata,
         "created_at": created_at,  # the database's clock: the reconciler's grace uses it
-        "deadline_at": spec.deadline,
+        "deadline_at": _aware_utc(spec.deadline),
         "fed_at": created_at if fed else None,
         "attempts": 0,
         "cancel_requested": False,
@@ -178,4 +178,8 @@ def _copy_rows(session: Session, rows: list[dict[str, Any]]) -> None:
 
 
 def _aware_utc(dt: datetime | None) -> datetime | None:
-    return dt.replace(tzinfo=UTC) if dt is not None and dt.tzinfo is None else dt
+    """``dt`` in UTC (a naive one is taken as UTC): SQLite keeps a time's digits and drops its
+    offset, so a deadline given at +02:00 would read back two hours late."""
+    if dt is None:
+        return None
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
