@@ -4,15 +4,18 @@
  *
  * It chains the very kernels the layer-by-layer path calls, in the same order on the same
  * values, so its output is bit-identical to that path: rms_norm, silu_mul and rotary from
- * cpu_layer.c, linear_small from cpu_linear.c, reshape_and_cache and paged_decode from
+ * cpu_layer.c, linear_small from cpu_linear.c (linear_int8 from cpu_int8.c
+ * for int8 projections), reshape_and_cache and paged_decode from
  * cpu_decode.c. They come in as function pointers (`kernels`, in the order of `struct
  * kernels`), since each library is built with its own flags (cpu_layer.c without FMA
  * contraction). The only work done here is what the Python path did with torch between them:
  * the query rows widened to a contiguous float32 [T, H, D], and the attention's float32 output
  * rounded to the model's dtype (to nearest even, as torch rounds).
  *
- * Per layer l, with weights[l * 7 ...] = input norm, qkv weight, qkv bias (float32 or NULL),
- * o weight, post-attention norm, gate_up weight, down weight:
+ * Per layer l, with weights[l * 11 ...] = input norm, qkv weight, qkv bias (float32 or NULL),
+ * o weight, post-attention norm, gate_up weight, down weight, then the four projections' int8
+ * scales (NULL: the projection has weights of the model's dtype, else int8 ones with a float32
+ * scale per `group` inputs, 0: per output channel, multiplied by linear_int8 of cpu_int8.c):
  *
  *     h = rms_norm(x + residual)         (layer 0: rms_norm(residual), the embeddings)
  *     qkv = h @ Wqkv^T (+ b); q, k rotated; k, v written to the layer's cache
@@ -36,6 +39,8 @@ typedef void (*rotary_fn)(void *, int64_t, const void *, const void *, int64_t, 
 typedef void (*silu_mul_fn)(const void *, void *, int64_t, int64_t, int, int);
 typedef void (*cache_fn)(const char *, const char *, int64_t, int64_t, char *, char *,
                          const int64_t *, int64_t, int64_t);
+typedef void (*linear_int8_fn)(const void *, int, const int8_t *, const float *, const float *,
+                               void *, int, int64_t, int64_t, int64_t, int64_t, int, int);
 typedef void (*decode_fn)(const float *, const char *, const char *, int, const int32_t *,
                           int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float, float *, float *, const int32_t *, int64_t,
@@ -48,9 +53,22 @@ struct kernels {
     silu_mul_fn silu_mul;
     cache_fn cache;
     decode_fn decode;
+    linear_int8_fn linear_int8;
 };
 
-enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_COUNT };
+enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_QKV_SCALE,
+       W_O_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, W_COUNT };
+
+/* y [rows, n] = x [rows, kdim] @ w[at]^T (+ bias), by the int8 kernel when w has its scales */
+static void project(const struct kernels *k, const void *const *w, int at, int scale_at,
+                    const float *bias, const void *x, void *y, int bf16, int64_t rows,
+                    int64_t n, int64_t kdim, int64_t group, int num_threads) {
+    if (w[scale_at])
+        k->linear_int8(x, bf16, w[at], w[scale_at], bias, y, bf16, rows, n, kdim,
+                       group ? group : kdim, 0, num_threads);
+    else
+        k->linear(x, bf16, w[at], bf16, bias, y, bf16, rows, n, kdim, num_threads);
+}
 
 void decode_layers(const void *const *kernels, const void *const *weights, int64_t num_layers,
                    void *residual, void *x, int bf16, int64_t rows, int64_t hidden,
@@ -58,7 +76,7 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
                    int64_t intermediate, float eps, const void *cos, const void *sin,
                    char *kv, int64_t layer_bytes, int64_t value_bytes, const int64_t *slots,
                    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                   int64_t block_size, float scale, int num_threads) {
+                   int64_t block_size, float scale, int64_t group, int num_threads) {
     const struct kernels *k = (const struct kernels *)kernels;
     const int64_t elem = bf16 ? 2 : 4;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -80,8 +98,8 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
             k->rms_norm(residual, NULL, w[W_INPUT_NORM], h, rows, hidden, eps, bf16, num_threads);
         else
             k->rms_norm(x, residual, w[W_INPUT_NORM], h, rows, hidden, eps, bf16, num_threads);
-        k->linear(h, bf16, w[W_QKV], bf16, w[W_QKV_BIAS], qkv, bf16, rows, qkv_width, hidden,
-                  num_threads);
+        project(k, w, W_QKV, W_QKV_SCALE, w[W_QKV_BIAS], h, qkv, bf16, rows, qkv_width, hidden,
+                group, num_threads);
         k->rotary(qkv, qkv_width, cos, sin, rows, num_heads + num_kv_heads, head_dim, bf16,
                   num_threads);
         k->cache(qkv + q_size * elem, qkv + (q_size + kv_size) * elem, qkv_width * elem,
@@ -96,13 +114,14 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
         if (bf16)
             for (int64_t i = 0; i < rows * q_size; i++)
                 ((uint16_t *)attn)[i] = f32_to_bf16(attn32[i]);
-        k->linear(attn, bf16, w[W_O], bf16, NULL, o, bf16, rows, hidden, q_size, num_threads);
+        project(k, w, W_O, W_O_SCALE, NULL, attn, o, bf16, rows, hidden, q_size, group,
+                num_threads);
         k->rms_norm(o, residual, w[W_POST_NORM], h, rows, hidden, eps, bf16, num_threads);
-        k->linear(h, bf16, w[W_GATE_UP], bf16, NULL, gate_up, bf16, rows, 2 * intermediate,
-                  hidden, num_threads);
+        project(k, w, W_GATE_UP, W_GATE_UP_SCALE, NULL, h, gate_up, bf16, rows,
+                2 * intermediate, hidden, group, num_threads);
         k->silu_mul(gate_up, act, rows, intermediate, bf16, num_threads);
-        k->linear(act, bf16, w[W_DOWN], bf16, NULL, x, bf16, rows, hidden, intermediate,
-                  num_threads);
+        project(k, w, W_DOWN, W_DOWN_SCALE, NULL, act, x, bf16, rows, hidden, intermediate, group,
+                num_threads);
     }
     free(h);
     free(qkv);

@@ -76,13 +76,14 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_step": ((), {
         "decode_layers": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i64,
                           _i64, _f32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-                          _i64, _f32, _i32],
+                          _i64, _f32, _i64, _i32],
     }),
 }
 # The kernels cpu_step.c chains, in the order of its ``struct kernels``.
 STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
                 ("cpu_layer", "rotary"), ("cpu_layer", "silu_mul"),
-                ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"))
+                ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"),
+                ("cpu_int8", "linear_int8"))
 # Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``);
 # past them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU
 # has no bf16 arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a
@@ -432,7 +433,8 @@ def reshape_and_cache(
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights as :class:`DecodeLayers` takes them: the model's own tensors
-    (norm weights ``[hidden]``, linear weights ``[out, in]``, the qkv bias ``[q + 2 kv]``)."""
+    (norm weights ``[hidden]``, linear weights ``[out, in]``, the qkv bias ``[q + 2 kv]``); with
+    int8 projections (``kernels.int8``), their float32 scales ``[out, in / G]``."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -441,6 +443,8 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # qkv, o,
+    # gate_up, down
 
 
 class DecodeLayers:
@@ -450,16 +454,30 @@ class DecodeLayers:
 
     It holds the weights' addresses: build it once they are loaded, and keep them in place.
     Steps of more rows than :attr:`max_rows` (where ``linear`` goes to torch's GEMM) are not
-    for it.
+    for it. Int8 projections (every layer's, with ``scales``) go through ``linear_int8``'s C
+    kernel, one scale group size for the model.
     """
 
     def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float, scale: float) -> None:
-        dtype = layers[0].qkv.dtype
+        dtype = layers[0].input_norm.dtype
         if dtype not in LINEAR_MAX_ROWS:
             raise TypeError(f"no CPU decode-step kernel for {dtype} weights")
-        self.max_rows = linear_max_rows(dtype)
+        quantized = layers[0].scales is not None
+        self.max_rows = LINEAR_INT8_MAX_ROWS if quantized else linear_max_rows(dtype)
         self.dtype = dtype
+        self.group = 0  # the int8 projections' inputs per scale; 0: one scale per channel
+        if quantized:
+            from kernels import int8
+
+            groups = {int8.group_size(w, s) if s.shape[1] > 1 else 0
+                      for layer in layers if layer.scales is not None
+                      for w, s in zip((layer.qkv, layer.o, layer.gate_up, layer.down),
+                                      layer.scales, strict=True)}
+            if len(groups) != 1 or any(layer.scales is None for layer in layers):
+                raise ValueError("DecodeLayers needs every layer's projections int8 with one "
+                                 f"group size, or none (got group sizes {sorted(groups)})")
+            self.group = groups.pop()
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
         self.eps, self.scale = eps, scale
@@ -477,12 +495,18 @@ class DecodeLayers:
                     or (bias is not None and tuple(bias.shape) != (qkv_size,))):
                 raise ValueError("DecodeLayers: the layers' weights do not have the shapes of "
                                  f"{num_heads} heads, {num_kv_heads} KV heads of {head_dim}")
-            if any(t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu"
-                   for t in tensors):
-                raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype")
+            dtypes = (dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype,
+                      dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype)
+            scales = w.scales or ()
+            if any(t.dtype != d or not t.is_contiguous() or t.device.type != "cpu"
+                   for t, d in zip(tensors, dtypes, strict=True)) or any(
+                    s.dtype != torch.float32 or not s.is_contiguous() for s in scales):
+                raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype (int8 "
+                                 "projections with float32 scales)")
             pointers += [w.input_norm.data_ptr(), w.qkv.data_ptr(),
                          None if bias is None else bias.data_ptr(), w.o.data_ptr(),
                          w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr()]
+            pointers += [s.data_ptr() for s in scales] if scales else [None] * 4
         self.num_layers = len(layers)
         self._layers = layers  # what the addresses point into stays alive with them
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)
@@ -522,7 +546,7 @@ class DecodeLayers:
             self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
             kv_caches.stride(0) * size, kv_caches.stride(1) * size, slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_caches.shape[3],
-            self.scale, torch.get_num_threads(),
+            self.scale, self.group, torch.get_num_threads(),
         )
         return x
 

@@ -318,7 +318,10 @@ class LlamaForCausalLM(nn.Module):
         linear takes, as many rows as it takes."""
         if not self.fused or self.layers[0].self_attn.q_norm is not None:
             return 0
-        return native.linear_max_rows(self.layers[0].self_attn.qkv_proj.weight.dtype)
+        weight = self.layers[0].self_attn.qkv_proj.weight
+        if weight.dtype == torch.int8:
+            return native.LINEAR_INT8_MAX_ROWS
+        return native.linear_max_rows(weight.dtype)
 
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers run as one C call: decodes only, without a cascade
@@ -331,8 +334,8 @@ class LlamaForCausalLM(nn.Module):
         prefix_rows, shared = meta.decode_prefix
         if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
             return False
-        weight = self.layers[0].self_attn.qkv_proj.weight
-        if not (kv_caches.device.type == "cpu" and kv_caches.dtype == weight.dtype
+        dtype = self.layers[0].input_layernorm.weight.dtype  # the model's (int8 projections')
+        if not (kv_caches.device.type == "cpu" and kv_caches.dtype == dtype
                 and kv_caches.is_contiguous()):
             return False
         if self._decode_layers is None:
@@ -341,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
                     layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
                     layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight,
                     layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
-                    layer.mlp.down_proj.weight) for layer in self.layers],
+                    layer.mlp.down_proj.weight, _int8_scales(layer)) for layer in self.layers],
                 self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps,
                 self.scale)
         return True
@@ -425,6 +428,14 @@ def _adapted(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> to
     y = linear(x)
     slots = getattr(linear, "lora", None)
     return y if lora is None or slots is None else slots.add(x, y, lora)
+
+
+def _int8_scales(layer: DecoderLayer) -> tuple[torch.Tensor, ...] | None:
+    """The int8 scales of the layer's qkv, o, gate_up and down projections, or None."""
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj)
+    scales = [linear.weight_scale for linear in linears]
+    return None if any(s is None for s in scales) else tuple(scales)  # type: ignore[misc]
 
 
 def _head_dim(config: PretrainedConfig) -> int:

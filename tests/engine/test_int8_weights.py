@@ -17,7 +17,7 @@ from engine import EngineConfig, LLMEngine
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
-from kernels import get_ops, int8
+from kernels import get_ops, int8, native
 from worker.settings import add_settings_arguments, settings_from_args
 
 PROMPTS = ["hello world", "the cat sat on the mat", "abc def ghi jkl mno", "x", "0123456789"]
@@ -41,6 +41,42 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
         for lc, lr in zip(c.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
             assert lc.keys() == lr.keys()
             assert all(abs(lc[t] - lr[t]) < 1e-4 for t in lc)
+
+
+@pytest.mark.parametrize(("name", "dtype", "group", "num_prompts"), [
+    ("qwen2-bias", "float32", None, 3),  # the qkv bias
+    ("llama-gqa8-tied", "bfloat16", None, 1),  # a lone request
+    ("llama-mha", "bfloat16", 32, native.LINEAR_INT8_MAX_ROWS),  # Q8_0's groups, most rows
+])
+def test_one_call_decode_matches_layer_by_layer(tiny_models: dict[str, Path], name: str,
+                                                dtype: str, group: int | None,
+                                                num_prompts: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # The decode step's layers in one C call (cpu_step.c) take the int8 kernel for the
+    # projections: the same logprobs, bit for bit, as the layer-by-layer path.
+    empty = LlamaForCausalLM.empty.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(LlamaForCausalLM, "empty", classmethod(
+        lambda cls, *a, **kw: empty(cls, *a, **kw, int8_group=group)))
+    outs, calls = {}, {}
+    for one_call in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(tiny_models[name]), dtype=dtype,
+                                        quantization="int8"))
+        model = engine.runner.model
+        assert model.layers[0].mlp.down_proj.weight_scale.shape[1] == (
+            1 if group is None else 96 // group)
+        decide, calls[one_call] = model._in_one_call, 0
+
+        def counted(*args: object, decide=decide, one_call=one_call) -> bool:
+            taken = one_call and decide(*args)
+            calls[one_call] += taken
+            return taken
+
+        model._in_one_call = counted  # type: ignore[method-assign]
+        outs[one_call] = engine.generate((PROMPTS * 2)[:num_prompts], GREEDY)
+    assert calls[True] >= GREEDY.max_tokens - 1 and calls[False] == 0
+    for a, b in zip(outs[True], outs[False], strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_int8_is_close_to_float32_and_not_equal(tiny_model: Path) -> None:
