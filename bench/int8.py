@@ -10,7 +10,8 @@ Printed, with the machine:
   int8 reads half the projections' bytes), from the first token to the last of ``1 + N`` on
   prompts no engine has seen, the best of ``--repeats`` runs, the two engines interleaved so
   that a noisy neighbour costs both alike; and the weight bytes a decode step reads, with the
-  GB/s that makes.
+  GB/s that makes. Also the process's CPU time per step: with ``--threads 1`` the figure a
+  shared machine disturbs least (waiting for a core does not count).
 - **greedy agreement** on ``--prompts`` chat prompts x ``--max-tokens`` tokens (EOS ignored):
   each bf16 continuation run teacher-forced through the int8 model, the share of positions
   where the int8 model's argmax is bf16's token (a free-running comparison would count every
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -60,12 +62,19 @@ def weight_read_bytes(engine: LLMEngine) -> int:
     return total
 
 
-def decode_ms(engine: LLMEngine, prompt: list[int], tokens: int) -> float:
-    """ms per decode step of ``prompt`` alone: first token to last over ``tokens`` steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=1 + tokens, ignore_eos=True)
-    metrics = engine.generate([prompt], params)[0].metrics
-    assert metrics.first_token_time is not None and metrics.finish_time is not None
-    return (metrics.finish_time - metrics.first_token_time) / tokens * 1000
+def decode_ms(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """ms per decode step of ``prompt`` alone: wall time from the first token to the last over
+    ``tokens`` steps, and the process's CPU time per step (``(cpu(1 + tokens) - cpu(1)) /
+    tokens``: with one thread, what the step costs whatever else the machine runs)."""
+    def run(n: int) -> tuple[float, float]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.process_time()
+        metrics = engine.generate([prompt], params)[0].metrics
+        assert metrics.first_token_time is not None and metrics.finish_time is not None
+        return metrics.finish_time - metrics.first_token_time, time.process_time() - t0
+
+    wall, cpu = run(1 + tokens)
+    return wall / tokens * 1000, (cpu - run(1)[1]) / tokens * 1000
 
 
 def sequence_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
@@ -105,16 +114,20 @@ def perplexity(engine: LLMEngine, ids: list[int]) -> float:
 def speed(label: str, engines: dict[str, LLMEngine], tokens: int, repeats: int) -> None:
     prompts = shared_system_workload("int8", engines["bf16"].tokenizer, repeats, 40, (20, 40),
                                      (1, 1), seed=1).prompts
-    best = {name: math.inf for name in engines}
+    wall = {name: math.inf for name in engines}
+    cpu = dict(wall)
     for prompt in prompts:  # a prompt each repeat, both engines on it
         for name, engine in engines.items():
-            best[name] = min(best[name], decode_ms(engine, prompt, tokens))
-    print(f"{label}: lone request, {tokens} tokens, best of {repeats}")
+            w, c = decode_ms(engine, prompt, tokens)
+            wall[name], cpu[name] = min(wall[name], w), min(cpu[name], c)
+    print(f"{label}: lone request, {tokens} tokens, best of {repeats}, "
+          f"{torch.get_num_threads()} threads")
     for name, engine in engines.items():
         read = weight_read_bytes(engine)
-        print(f"  {name:<6} {best[name]:7.2f} ms/token  {read / 1e6:8.1f} MB read a step  "
-              f"{read / best[name] / 1e6:6.1f} GB/s")
-    print(f"  int8 / bf16 speed: {best['bf16'] / best['int8']:.2f}x (goal >= 1.6x)")
+        print(f"  {name:<6} {wall[name]:7.2f} ms/token wall ({read / wall[name] / 1e6:5.1f} GB/s)"
+              f"  {cpu[name]:7.2f} ms/token CPU time  {read / 1e6:8.1f} MB read a step")
+    print(f"  int8 / bf16 speed: {wall['bf16'] / wall['int8']:.2f}x wall, "
+          f"{cpu['bf16'] / cpu['int8']:.2f}x CPU time (goal >= 1.6x)")
 
 
 def quality(engines: dict[str, LLMEngine], num_prompts: int, tokens: int) -> None:
