@@ -32,7 +32,9 @@ def _generate(model: Path, **kw: object) -> list:
 @pytest.mark.parametrize("name", ["llama-gqa3-hd10", "qwen2-bias", "llama-gqa8-tied"])
 def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str, Path],
                                                            name: str) -> None:
-    # The torch backend runs kernels.int8.linear_reference on the same quantized weights.
+    # The torch backend runs kernels.int8.linear_reference on the same quantized weights. The
+    # C kernel's decode steps (VNNI, per-channel scales) round each x row to int16 fixed
+    # point: ~1e-4 of a row's largest value, which moves logprobs by ~1e-4 here.
     cpu = _generate(tiny_models[name], dtype="float32", quantization="int8")
     ref = _generate(tiny_models[name], dtype="float32", quantization="int8",
                     attention_backend="torch")
@@ -40,7 +42,7 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
         assert c.token_ids == r.token_ids
         for lc, lr in zip(c.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
             assert lc.keys() == lr.keys()
-            assert all(abs(lc[t] - lr[t]) < 1e-4 for t in lc)
+            assert all(abs(lc[t] - lr[t]) < 1e-3 for t in lc)
 
 
 @pytest.mark.parametrize(("name", "dtype", "group", "num_prompts"), [
