@@ -55,9 +55,10 @@ class LLMEngine:
         device = resolve_device(config)
         block_size = resolve_block_size(config, device)
         dtype = resolve_dtype(config, device)
-        model_dir = loader.resolve_model_dir(config.model)
-        hf_config = loader.load_config(model_dir)
-        self.tokenizer = loader.load_tokenizer(model_dir)
+        gguf = loader.gguf_path(config.model)  # a llama.cpp file, or None: a directory
+        model_dir = gguf.parent if gguf else loader.resolve_model_dir(config.model)
+        hf_config = loader.load_config(model_dir, gguf)
+        self.tokenizer = loader.load_tokenizer(model_dir, gguf)
         max_model_len = _max_model_len(config, hf_config)
 
         # One backend object for the model's layers and the runner.
@@ -66,9 +67,12 @@ class LLMEngine:
         backend = get_ops(resolve_backend(config.attention_backend, device),
                           config.batch_invariant)
         torch.manual_seed(config.seed)
-        model = LlamaForCausalLM.empty(hf_config, backend, max_model_len, device, dtype,
-                                       config.quantization)
-        model.load_weights(loader.iter_safetensors(model_dir))  # a shard at a time
+        int8 = config.quantization == "int8"
+        model = LlamaForCausalLM.empty(
+            hf_config, backend, max_model_len, device, dtype, config.quantization,
+            **({"int8_group": loader.gguf_int8_group(gguf)} if gguf and int8 else {}))
+        model.load_weights(loader.iter_gguf(gguf, hf_config, int8) if gguf  # a tensor at a time
+                           else loader.iter_safetensors(model_dir))  # a shard at a time
         model.eval()
         self.lora = LoRAManager(parse_lora_flags(config.lora), model,
                                 config.lora_memory_bytes) if config.lora else None

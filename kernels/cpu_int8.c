@@ -12,13 +12,15 @@
  * vector multiplied by its scale as it is widened. Each output's order of reduction is fixed
  * by K and G alone, so a row's result does not depend on how many rows share the call.
  *
- * Two paths, chosen at build time (the AVX-512 one where the compiler targets it) and forced
- * to the portable one at run time by `portable` (the tests run both on one host):
- * - AVX-512: 16 int8 weights a load, sign-extended (vpmovsxbd) and converted (vcvtdq2ps) to
- *   float32, one FMA per x row.
+ * Three paths, chosen at build time (where the compiler targets the instructions) and forced
+ * to the portable one at run time by `portable` (the tests run each on one host):
+ * - AVX512-VNNI, per-channel scales only: x rows as int16 fixed point, 32 weights a load
+ *   sign-extended to int16, vpdpwssd (see linear_vnni below: 4x fewer instructions a weight).
+ * - AVX-512 (groups of scales): 16 int8 weights a load, sign-extended (vpmovsxbd) and
+ *   converted (vcvtdq2ps) to float32, one FMA per x row.
  * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up).
- * Activations are not quantized (no VNNI): the products are of exact values, so only the
- * weights' rounding separates this from the float model.
+ * The float paths multiply exact values, so only the weights' rounding separates them from the
+ * float model; the VNNI path adds x's rounding to int16, ~1e-4 of a row's largest value.
  *
  * x: [M, K] float32 or bf16, contiguous; q: [N, K] int8, contiguous; scale: [N, K / G]
  * float32, contiguous (G divides K); bias: [N] float32 or NULL; y: [M, N] float32, or bf16

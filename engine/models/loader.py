@@ -80,11 +80,24 @@ def ensure_default_model() -> Path:
     return target
 
 
-def load_config(model_dir: Path) -> PretrainedConfig:
+def gguf_path(model: str) -> Path | None:
+    """``model`` as a llama.cpp GGUF file (``*.gguf``), or None: a directory or the default.
+    Its config and tokenizer come from the file's metadata (transformers reads them), its
+    weights from :func:`iter_gguf`; other files beside it (a generation config) are read from
+    its directory."""
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def load_config(model_dir: Path, gguf: Path | None = None) -> PretrainedConfig:
+    if gguf is not None:
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return AutoConfig.from_pretrained(model_dir)
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
+def load_tokenizer(model_dir: Path, gguf: Path | None = None) -> PreTrainedTokenizerBase:
+    if gguf is not None:
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -245,6 +258,19 @@ def iter_gguf(path: Path, config: PretrainedConfig, int8: bool
         if kind in heads:
             values = _unpermute_rows(values, heads[kind])
         yield hf_name, values
+
+
+def gguf_int8_group(path: Path) -> int | None:
+    """The int8 group size a model loaded from ``path`` with ``quantization="int8"`` takes:
+    ``Q8_0_BLOCK`` when its projections are stored as Q8_0 (loaded as they are), else None (a
+    scale per output channel, quantized as they load)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    for tensor in GGUFReader(path).tensors:
+        parts = tensor.name.split(".")
+        if len(parts) == 4 and parts[2] in GGUF_PROJECTIONS:
+            return Q8_0_BLOCK if tensor.tensor_type == GGMLQuantizationType.Q8_0 else None
+    return None
 
 
 def _unpermute_rows(t: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -207,3 +207,25 @@ def test_gguf_q8_0_loads_as_int8_with_its_own_blocks(tiny_models: dict[str, Path
                                        torch.float32)
     reference.load_weights(loader.iter_gguf(path, config, int8=False))
     assert torch.equal(reference.layers[1].mlp.gate_up_proj.weight[:96], gate)
+
+
+@pytest.mark.slow
+def test_a_gguf_file_as_the_model_runs_as_its_converted_directory() -> None:
+    # The bundled SmolLM2 GGUF (Q4_1) opened directly, its tensors dequantized and quantized to
+    # int8 per channel as they load, against the default model (the same GGUF converted once
+    # to safetensors by transformers): the same int8 weights, so the same greedy tokens.
+    import importlib.util
+
+    spec = importlib.util.find_spec(loader.DEFAULT_GGUF_PACKAGE)
+    assert spec is not None and spec.origin is not None
+    path = Path(spec.origin).parent / loader.DEFAULT_GGUF_FILE
+    assert loader.gguf_path(str(path)) == path and loader.gguf_int8_group(path) is None
+    outs = []
+    for model in (str(path), "smollm2-135m-instruct"):
+        engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", quantization="int8",
+                                        kv_cache_memory_bytes=1 << 28))
+        assert engine.runner.model.layers[0].mlp.down_proj.weight.dtype == torch.int8
+        outs.append([o.token_ids for o in engine.generate(
+            ["The capital of France is", "def fib(n):"],
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))])
+    assert outs[0] == outs[1]
