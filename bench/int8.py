@@ -7,8 +7,8 @@ speed, greedy agreement and perplexity.
 Printed, with the machine:
 
 - **decode ms/token** of one request alone (what a step of one row costs: memory-bound, so
-  int8 reads half the projections' bytes), from the first token to the last of ``1 + N`` on
-  prompts no engine has seen, the best of ``--repeats`` runs, the two engines interleaved so
+  int8 reads half the projections' bytes), the N steps after its first token, on prompts no
+  engine has seen, the best of ``--repeats`` runs, the two engines interleaved so
   that a noisy neighbour costs both alike; and the weight bytes a decode step reads, with the
   GB/s that makes. Also the process's CPU time per step: with ``--threads 1`` the figure a
   shared machine disturbs least (waiting for a core does not count).
@@ -63,18 +63,18 @@ def weight_read_bytes(engine: LLMEngine) -> int:
 
 
 def decode_ms(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """ms per decode step of ``prompt`` alone: wall time from the first token to the last over
-    ``tokens`` steps, and the process's CPU time per step (``(cpu(1 + tokens) - cpu(1)) /
-    tokens``: with one thread, what the step costs whatever else the machine runs)."""
-    def run(n: int) -> tuple[float, float]:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        t0 = time.process_time()
-        metrics = engine.generate([prompt], params)[0].metrics
-        assert metrics.first_token_time is not None and metrics.finish_time is not None
-        return metrics.finish_time - metrics.first_token_time, time.process_time() - t0
-
-    wall, cpu = run(1 + tokens)
-    return wall / tokens * 1000, (cpu - run(1)[1]) / tokens * 1000
+    """ms per decode step of ``prompt`` alone, over the ``tokens`` steps after its first token
+    (the prefill's step is not timed): wall time, and the process's CPU time (with one thread,
+    what the step costs whatever else the machine runs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 + tokens, ignore_eos=True)
+    engine.add_request("decode-timed", prompt, params)
+    while not any(o.outputs[0].token_ids for o in engine.step()):
+        pass  # the prefill, to the first token
+    wall, cpu = time.perf_counter(), time.process_time()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ((time.perf_counter() - wall) / tokens * 1000,
+            (time.process_time() - cpu) / tokens * 1000)
 
 
 def sequence_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
