@@ -161,6 +161,7 @@ def test_request_cancel_touches_the_named_job_only(sql_engine: Engine) -> None:
         "job-2": ("running", False), "job-3": ("succeeded", False)}
 
 
+@pytest.mark.timeout(120)  # a page that does not move on loops forever: fail, do not hang
 @pytest.mark.parametrize("limit", [1, 2, 3, 1000])
 def test_cancel_batch_pages_through_the_batch_and_no_other(sql_engine: Engine,
                                                            limit: int) -> None:
