@@ -20,7 +20,8 @@ Printed, with the machine:
 - **perplexity** of ``bench/data/int8_ppl.txt`` (original prose written for this bench,
   ~3k tokens) under each model, one forward over the whole text, and int8's over bf16's.
 
-The int8 model keeps embeddings, norms and lm_head (tied to the embeddings in SmolLM2) in bf16.
+The int8 model keeps embeddings and norms in bf16; its lm_head is int8 (SmolLM2's is tied to
+the embeddings: an int8 copy of the table multiplies, the lookup reads the bf16 one).
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ def _engine(model: str, quantization: str | None) -> LLMEngine:
 
 def weight_read_bytes(engine: LLMEngine) -> int:
     """Bytes of weights one decode step reads: every parameter and scale but the embedding
-    table (one row of it), with the lm_head's (the tied embeddings' when tied)."""
+    table (one row of it) where an lm_head of its own multiplies (untied, or int8)."""
     model = engine.runner.model
     total = sum(t.numel() * t.element_size() for t in model.parameters())
     total += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
                  if n.endswith("weight_scale"))
-    if not model.tie_word_embeddings:
+    if model.lm_head is not None:
         emb = model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
     return total

@@ -81,8 +81,9 @@ class EngineConfig:
         "(kernels.batch_invariant), without cascade attention. Sampled jobs reproduce when "
         "they carry a seed. Costs speed: see bench/batch_invariant.py")
     quantization: Literal[None, "int8"] = _field(
-        None, "int8: weight-only int8 for the attention and MLP projections (symmetric, a "
-        "float32 scale per output channel; embeddings, norms and lm_head as they are), "
+        None, "int8: weight-only int8 for the attention and MLP projections and the lm_head "
+        "(symmetric, a float32 scale per output channel; embeddings and norms as they are, "
+        "tied embeddings get an int8 copy for the lm_head), "
         "quantized as a bf16/float32 checkpoint loads (GGUF Q8_0 tensors load as they are, a "
         "scale per 32 inputs). A decode step reads half the bytes of bf16; see "
         "bench/int8.py for speed and quality")

@@ -113,7 +113,30 @@ def test_projections_hold_int8_and_the_rest_stays_float(tiny_models: dict[str, P
         assert layer.self_attn.qkv_proj.bias.dtype == torch.bfloat16
         assert layer.input_layernorm.weight.dtype == torch.bfloat16
     assert model.embed_tokens.weight.dtype == torch.bfloat16
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    head = model.lm_head  # int8 too, quantized from the checkpoint's lm_head
+    assert head is not None and head.weight.dtype == torch.int8
+    assert bool(((int8.dequantize(head.weight, head.weight_scale) - checkpoint["lm_head.weight"])
+                 .abs() <= head.weight_scale / 2 * (1 + 1e-6)).all())
+
+
+def test_tied_embeddings_get_an_int8_copy_for_the_lm_head(tiny_models: dict[str, Path]) -> None:
+    path = tiny_models["llama-gqa8-tied"]
+    config = loader.load_config(path)
+    plain = LlamaForCausalLM.empty(config, get_ops("cpu"), 64, torch.device("cpu"),
+                                   torch.float32)
+    assert plain.lm_head is None  # tied and not int8: the table multiplies
+    model = LlamaForCausalLM.empty(config, get_ops("cpu"), 64, torch.device("cpu"),
+                                   torch.float32, "int8")
+    model.load_weights(loader.iter_safetensors(path))
+    table = dict(loader.iter_safetensors(path))["model.embed_tokens.weight"]
+    assert torch.equal(model.embed_tokens.weight, table)  # the lookup reads the float table
+    head = model.lm_head
+    assert head is not None and head.weight.dtype == torch.int8
+    q, scale = int8.quantize(table)
+    assert torch.equal(head.weight, q) and torch.equal(head.weight_scale, scale)
+    hidden = torch.randn(3, table.shape[1])
+    torch.testing.assert_close(model.compute_logits(hidden),
+                               int8.linear_reference(hidden, q, scale), rtol=0, atol=1e-3)
 
 
 def test_an_unknown_quantization_is_refused() -> None:
