@@ -252,3 +252,16 @@ def test_a_gguf_file_as_the_model_runs_as_its_converted_directory() -> None:
             ["The capital of France is", "def fib(n):"],
             SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))])
     assert outs[0] == outs[1]
+
+
+def test_batch_invariant_int8_tokens_do_not_depend_on_the_batch(tiny_model: Path) -> None:
+    # kernels.batch_invariant swaps the int8 linear too (the C kernel for every row count):
+    # otherwise prefill rows past LINEAR_INT8_MAX_ROWS would take the dequantize + GEMM path.
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", quantization="int8",
+                                    batch_invariant=True, max_num_batched_tokens=64))
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(12)]
+    alone = [engine.generate([p], GREEDY)[0] for p in prompts[:4]]
+    batched = engine.generate(prompts, GREEDY)[:4]
+    for a, b in zip(alone, batched, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit for bit
