@@ -167,14 +167,28 @@ def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Ke
 
 
 def test_deadlines_expire_jobs(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
-                               start_worker) -> None:  # type: ignore[no-untyped-def]
+                               start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
+
+    def paced(engine):  # type: ignore[no-untyped-def]
+        # 1,900 tokens take 9.5 s at least, so the slow job's deadline comes first however
+        # fast the machine is (unpaced, a fast engine finished it inside its 3 s)
+        step = engine.step
+
+        def paced_step():  # type: ignore[no-untyped-def]
+            time.sleep(0.005)
+            return step()
+
+        engine.step = paced_step
+        return engine
+
+    running = start_worker(engine_wrapper=paced)
+    wait_for(lambda: running.worker.engine_stats is not None)  # up before the deadlines start
     now = datetime.now(UTC)
     late = _job(0, deadline=now - timedelta(seconds=1))
-    slow = _long(1, max_tokens=1900, deadline=now + timedelta(seconds=1))
+    slow = _long(1, max_tokens=1900, deadline=now + timedelta(seconds=3))
     fine = _job(2, deadline=now + timedelta(minutes=5))
     client.submit([late, slow, fine])
-    start_worker()
     infos = {i.id: i for i in client.wait([late.id, slow.id, fine.id], timeout_s=30)}
     assert infos[late.id].status is JobStatus.EXPIRED and infos[late.id].result is None
     assert infos[slow.id].status is JobStatus.EXPIRED
