@@ -20,6 +20,7 @@ embeddings and norms stay in the model's dtype.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -298,7 +299,8 @@ class LlamaForCausalLM(nn.Module):
         """The projections ``quantization="int8"`` makes int8: each layer's qkv, o, gate_up
         and down (the embeddings and lm_head stay as they are)."""
         found: list[Linear] = []
-        for layer in self.layers:
+        for module in self.layers:
+            layer = cast(DecoderLayer, module)
             found += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                       layer.mlp.down_proj]
         return found
@@ -443,12 +445,15 @@ def _adapted(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> to
     return y if lora is None or slots is None else slots.add(x, y, lora)
 
 
-def _int8_scales(layer: DecoderLayer) -> tuple[torch.Tensor, ...] | None:
+def _int8_scales(layer: nn.Module
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The int8 scales of the layer's qkv, o, gate_up and down projections, or None."""
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-               layer.mlp.down_proj)
-    scales = [linear.weight_scale for linear in linears]
-    return None if any(s is None for s in scales) else tuple(scales)  # type: ignore[misc]
+    assert isinstance(layer, DecoderLayer)
+    qkv, o = layer.self_attn.qkv_proj.weight_scale, layer.self_attn.o_proj.weight_scale
+    gate_up, down = layer.mlp.gate_up_proj.weight_scale, layer.mlp.down_proj.weight_scale
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    return qkv, o, gate_up, down
 
 
 def _head_dim(config: PretrainedConfig) -> int:
