@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
-from jobs.api.objects import ApiError, not_found, openai_status
+from jobs.api.objects import ApiError, cancel_took, not_found, openai_status
 from jobs.api.quotas import Quotas
 from jobs.api.records import ApiRecords, new_id
 from jobs.api.settings import ApiSettings
@@ -163,10 +163,10 @@ class BatchRunner:
         self._own(owner, batch_id)
         self.client.cancel_batch(batch_id)
         row = self._own(owner, batch_id)
-        status = openai_status(row)
-        if status not in ("cancelling", "cancelled"):
+        if not cancel_took(row):
             # 400, not 409: the openai client retries a 409
-            raise ApiError(400, f"batch {batch_id} is {status}: it cannot be cancelled")
+            raise ApiError(400, f"batch {batch_id} is {openai_status(row)}: it cannot be "
+                                "cancelled")
         self.wake()
         return row
 

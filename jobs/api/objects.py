@@ -56,6 +56,16 @@ def openai_status(row: ApiBatch) -> str:
     return status.value
 
 
+def cancel_took(row: ApiBatch) -> bool:
+    """Whether a cancel took, read from ``row`` right after it was asked: the batch is
+    cancelling, or it ended cancelled, its files recorded or not (``finalizing``: with no row
+    left running, the runner can end it between the cancel and this read). A batch that ended
+    any other way had ended before the cancel."""
+    status = BatchStatus(row.batch.status)
+    return status is BatchStatus.CANCELLED or (
+        not status.ended and row.batch.cancel_requested_at is not None)
+
+
 def _stamps(row: ApiBatch) -> dict[str, datetime | None]:
     """OpenAI's ``<status>_at`` times, from the batch's own and its files'."""
     batch, status = row.batch, BatchStatus(row.batch.status)

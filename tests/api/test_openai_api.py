@@ -124,7 +124,8 @@ def test_cancel_ends_cancelled_with_every_row_accounted(openai_client) -> None: 
         completion_window="24h")
     wait_batch(client, batch.id, {"in_progress"})
     cancelling = client.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled")
+    # finalizing: no row was running, so the batch can end cancelled before the reply
+    assert cancelling.status in ("cancelling", "finalizing", "cancelled")
     done = wait_batch(client, batch.id)
     assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
     assert done.output_file_id is None and done.error_file_id
