@@ -188,3 +188,38 @@ def test_an_output_lists_samples_in_order_with_its_figures(
     plain = finished(sequence([1], SamplingParams(max_tokens=2)), [5], FinishReason.LENGTH)
     assert processor.output("r", [1], [plain], RequestMetrics(arrival_time=1.0),
                             finished=True).outputs[0].logprobs is None
+
+
+def test_refusals_say_exactly_why(processor: Processor) -> None:
+    cases = (("", "prompt is empty"), ([], "prompt is empty"),
+             ([{"role": "user"}], "each chat message needs string 'role' and 'content'"))
+    for bad_prompt, reason in cases:
+        with pytest.raises(ValueError) as refused:
+            processor.tokenize(bad_prompt)  # type: ignore[arg-type]
+        assert str(refused.value) == reason
+    vocab = processor.info.vocab_size
+    outside = list(range(vocab, vocab + 7))  # seven out: the message names the first five
+    for params, field in ((SamplingParams(stop_token_ids=outside), "stop_token_ids"),
+                          (SamplingParams(logit_bias=dict.fromkeys(outside, 1.0)),
+                           "logit_bias token ids")):
+        with pytest.raises(ValueError) as refused:
+            processor.check_sampling(params)
+        assert str(refused.value).startswith(f"{field} {outside[:5]} are outside")
+
+
+def test_a_chat_gets_the_templates_special_tokens_only_once(
+        processor: Processor, tokenizer: PreTrainedTokenizerBase) -> None:
+    """With a tokenizer that adds a BOS to what it encodes (Llama 3's), the chat template's text
+    (which starts with the BOS itself) is encoded without adding another."""
+    from tokenizers.processors import TemplateProcessing
+
+    bos_tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bos = bos_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    bos_tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    assert bos_tokenizer.encode("hi")[0] == bos  # it does add one to plain text
+    bos_processor = Processor(bos_tokenizer, processor.info)
+    chat = [{"role": "user", "content": "hi"}]
+    text = bos_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert bos_processor.tokenize(chat) == bos_tokenizer.encode(text, add_special_tokens=False)
+    assert bos_processor.tokenize(chat).count(bos) == 2  # the template's two turns, no more
