@@ -151,6 +151,11 @@ def test_text_is_cut_at_the_first_stop_string_and_specials_are_not_text(
     out = processor.output("r", [1], [seq], RequestMetrics(arrival_time=1.0), finished=True)
     assert out.outputs[0].text == "xac"
     assert out.outputs[0].token_ids == out_ids
+    # The cut is an index into the whole text, past the window the per-step check decodes.
+    seq = finished(sequence([1], SamplingParams(max_tokens=40, stop=["b"])),
+                   ids(tokenizer, "x" * 30 + "b"), FinishReason.STOP)
+    assert processor.output("r", [1], [seq], RequestMetrics(arrival_time=1.0),
+                            finished=True).outputs[0].text == "x" * 30
     # Without a stop string, or when the output ended by length, the text is all of it.
     seq = finished(sequence([1], SamplingParams(max_tokens=20, stop=["q"])),
                    ids(tokenizer, "xab"), FinishReason.STOP)
