@@ -228,3 +228,12 @@ def test_a_chat_gets_the_templates_special_tokens_only_once(
     text = bos_tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     assert bos_processor.tokenize(chat) == bos_tokenizer.encode(text, add_special_tokens=False)
     assert bos_processor.tokenize(chat).count(bos) == 2  # the template's two turns, no more
+
+
+def test_a_stop_string_before_min_tokens_does_not_stop_it_later(
+        processor: Processor, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Stop strings count from ``min_tokens`` on: one generated long before is not looked for
+    again (only the newest tokens are decoded each step), a new one stops it."""
+    seq = sequence(ids(tokenizer, "p"), SamplingParams(max_tokens=40, min_tokens=20, stop=["b"]))
+    reasons = stops_after(processor, seq, ids(tokenizer, "xb" + "x" * 27 + "b"))
+    assert reasons == [None] * 29 + ["stop"]
