@@ -197,13 +197,17 @@ def test_an_output_lists_samples_in_order_with_its_figures(
 
 def test_refusals_say_exactly_why(processor: Processor) -> None:
     cases = (("", "prompt is empty"), ([], "prompt is empty"),
-             ([{"role": "user"}], "each chat message needs string 'role' and 'content'"))
+             ([{"role": "user"}], "each chat message needs string 'role' and 'content'"),
+             ([1, None], "prompt must be a string, a list of token ids or chat messages"))
     for bad_prompt, reason in cases:
         with pytest.raises(ValueError) as refused:
             processor.tokenize(bad_prompt)  # type: ignore[arg-type]
         assert str(refused.value) == reason
     vocab = processor.info.vocab_size
     outside = list(range(vocab, vocab + 7))  # seven out: the message names the first five
+    with pytest.raises(ValueError) as refused:
+        processor.tokenize(outside)
+    assert str(refused.value) == f"token ids outside the vocabulary [0, {vocab}): {outside[:5]}"
     for params, field in ((SamplingParams(stop_token_ids=outside), "stop_token_ids"),
                           (SamplingParams(logit_bias=dict.fromkeys(outside, 1.0)),
                            "logit_bias token ids")):
