@@ -301,3 +301,22 @@ def test_each_line_is_on_disk_once_written(tmp_path: Path) -> None:
         assert files.done == {"x"}
     finally:
         files.close()
+
+
+def test_an_output_of_another_inputs_rows_is_refused(tmp_path: Path, client: Client) -> None:
+    """Results of rows this input does not have would count as done for rows of the same
+    ``custom_id``: refused before anything is stored or written."""
+    data, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    data.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "b", "prompt": "y"}\n')
+    out.write_text('{"custom_id": "a", "text": "x"}\n{"custom_id": "elsewhere", "text": "z"}\n')
+    with pytest.raises(ValueError, match="custom_id 'elsewhere'"):
+        _run(client, _opts(data, out, None, "foreign", wait=False))
+    assert out.read_text() == ('{"custom_id": "a", "text": "x"}\n'
+                               '{"custom_id": "elsewhere", "text": "z"}\n')
+    assert client.jobs.count_by_status() == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+    # Results of some of its own rows: resumed (only b is submitted).
+    out.write_text('{"custom_id": "a", "text": "x"}\n')
+    tally = _run(client, _opts(data, out, None, "foreign", wait=False))
+    assert (tally.skipped, tally.submitted) == (1, 1)
+    assert sorted(client.batch("foreign").job_ids) == ["b"]
