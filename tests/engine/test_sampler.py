@@ -49,6 +49,9 @@ PROBS = [0.4, 0.3, 0.15, 0.1, 0.05, 0.0]
     # min_p keeps the tokens at least min_p times as likely as the top one (0.25 * 0.4)
     ({"min_p": 0.25}, [0.4 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.1 / 0.95, 0, 0]),
     ({"top_k": 3, "top_p": 0.5}, [0.4 / 0.7, 0.3 / 0.7, 0, 0, 0, 0]),
+    # a bias is added to the logit: log 2 doubles token 1's weight (0.3 -> 0.6, of 1.3)
+    ({"logit_bias": {1: math.log(2)}}, [0.4 / 1.3, 0.6 / 1.3, 0.15 / 1.3, 0.1 / 1.3,
+                                        0.05 / 1.3, 0]),
 ])
 def test_each_option_draws_from_what_it_keeps(options: dict[str, float],
                                               expected: list[float]) -> None:
