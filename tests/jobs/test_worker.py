@@ -35,6 +35,20 @@ def _long(i: int, max_tokens: int = 1500, **kw) -> JobSpec:  # type: ignore[no-u
     return _job(i, sampling={"max_tokens": max_tokens, "ignore_eos": True}, **kw)
 
 
+def _paced(engine):  # type: ignore[no-untyped-def]
+    """The engine, 5 ms a step at least: a 1,900-token job takes 9.5 s or more, so a test that
+    stops, cancels or expires it mid-way gets there first however fast the machine is
+    (unpaced, a fast engine finished one inside a 1 s deadline)."""
+    step = engine.step
+
+    def paced_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return step()
+
+    engine.step = paced_step
+    return engine
+
+
 def _statuses(client: JobClient, ids: list[str]) -> dict[str, JobStatus]:
     return {i.id: i.status for i in client.get_many(ids)}
 
@@ -153,7 +167,7 @@ def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Ke
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     long_id, queued_id = client.submit([_long(0, max_tokens=1900), _long(1)])
     assert client.cancel(queued_id) is JobStatus.CANCELLED  # no worker yet: cancelled at once
-    running = start_worker()
+    running = start_worker(engine_wrapper=_paced)
     w = running.worker
     wait_for(lambda: w.engine_stats is not None and long_id in w.held
              and w.engine_stats.num_kv_blocks_free < w.engine_stats.num_kv_blocks_total)
@@ -169,20 +183,7 @@ def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Ke
 def test_deadlines_expire_jobs(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
                                start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-
-    def paced(engine):  # type: ignore[no-untyped-def]
-        # 1,900 tokens take 9.5 s at least, so the slow job's deadline comes first however
-        # fast the machine is (unpaced, a fast engine finished it inside its 3 s)
-        step = engine.step
-
-        def paced_step():  # type: ignore[no-untyped-def]
-            time.sleep(0.005)
-            return step()
-
-        engine.step = paced_step
-        return engine
-
-    running = start_worker(engine_wrapper=paced)
+    running = start_worker(engine_wrapper=_paced)
     wait_for(lambda: running.worker.engine_stats is not None)  # up before the deadlines start
     now = datetime.now(UTC)
     late = _job(0, deadline=now - timedelta(seconds=1))
@@ -202,7 +203,7 @@ def test_graceful_shutdown_hands_back_unfinished_jobs(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     quick = client.submit([_job(i) for i in range(3)])
     slow = client.submit([_long(10 + i, max_tokens=1900) for i in range(3)])
-    first = start_worker(drain_timeout_s=0.5)
+    first = start_worker(engine_wrapper=_paced, drain_timeout_s=0.5)
     wait_for(lambda: set(_statuses(client, quick).values()) == {JobStatus.SUCCEEDED})
     wait_for(lambda: set(_statuses(client, slow).values()) == {JobStatus.RUNNING})
     assert first.stop() == 0
