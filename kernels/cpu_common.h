@@ -40,6 +40,15 @@ INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
+/* Output element i of a linear: s plus bias[n] when there is a bias, as bf16 or float32. */
+INLINE void store_out(void *y, int y_bf16, int64_t i, float s, const float *bias, int64_t n) {
+    s = bias ? s + bias[n] : s;
+    if (y_bf16)
+        ((uint16_t *)y)[i] = f32_to_bf16(s);
+    else
+        ((float *)y)[i] = s;
+}
+
 /* VL bf16 values from p on, as float32 (exact: a shift). */
 INLINE vf load_bf16(const void *p) {
     const vu bits = __builtin_convertvector(*(const vh_u *)p, vu) << 16;

@@ -135,12 +135,7 @@ INLINE void tile(const float *x, const int8_t *q, const float *scale, const floa
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++) {
             float s = hsum(total[p][r]) + total_tail[p][r];
-            s = bias ? s + bias[n0 + r] : s;
-            const int64_t i = (m0 + p) * N + n0 + r;
-            if (y_bf16)
-                ((uint16_t *)y)[i] = f32_to_bf16(s);
-            else
-                ((float *)y)[i] = s;
+            store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
         }
 }
 
@@ -223,12 +218,7 @@ INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const
                 tail += (int64_t)xq[(m0 + p) * Kp + k] * q[(n0 + r) * K + k];
             float s = (_mm512_reduce_add_ps(total[p][r]) + (float)tail) * xs[m0 + p] *
                       scale[n0 + r];
-            s = bias ? s + bias[n0 + r] : s;
-            const int64_t i = (m0 + p) * N + n0 + r;
-            if (y_bf16)
-                ((uint16_t *)y)[i] = f32_to_bf16(s);
-            else
-                ((float *)y)[i] = s;
+            store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
         }
 }
 

@@ -119,12 +119,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
             float s = hsum(acc[p][r]);
             for (int64_t k = kv; k < K; k++)
                 s += xm[k] * w_at(w, (n0 + r) * K + k, bf16);
-            s = bias ? s + bias[n0 + r] : s;
-            const int64_t i = (m0 + p) * N + n0 + r;
-            if (y_bf16)
-                ((uint16_t *)y)[i] = f32_to_bf16(s);
-            else
-                ((float *)y)[i] = s;
+            store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
         }
     }
 }
