@@ -13,7 +13,6 @@ only then is its model resident). Goal: peak at most 1.3 x the weights' bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,47 +51,9 @@ print(base * 1024, loaded * 1024, rss("VmHWM:") * 1024)
 def write_model(path: Path, shard_bytes: int) -> int:
     """A random bf16 Llama of :data:`CONFIG` in shards of about ``shard_bytes`` with
     ``model.safetensors.index.json``; returns the weights' bytes."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from bench.shapes import write_random_model
 
-    from engine.testing import build_byte_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / "model.safetensors.index.json").is_file():
-        index = json.loads((path / "model.safetensors.index.json").read_text())
-        return int(index["metadata"]["total_size"])
-    build_byte_tokenizer(path)
-    AutoConfig.for_model("llama", **CONFIG).save_pretrained(path)
-    h, i, v = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
-    kv = CONFIG["num_key_value_heads"] * h // CONFIG["num_attention_heads"]
-    shapes = {"model.embed_tokens.weight": (v, h)}
-    for n in range(CONFIG["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                   p + "post_attention_layernorm.weight": (h,)}
-    shapes |= {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    for name, shape in shapes.items():
-        tensor = (torch.randn(shape) * 0.02).to(torch.bfloat16)
-        if sizes[-1] and sizes[-1] + tensor.nbytes > shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = tensor
-        sizes[-1] += tensor.nbytes
-    weight_map = {}
-    for k, shard in enumerate(shards, 1):
-        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, path / file, metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, file)
-    total = sum(sizes)
-    (path / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return total
+    return write_random_model(path, {"model_type": "llama", **CONFIG}, shard_bytes)
 
 
 def measure(which: str, model_dir: Path) -> tuple[int, int, int]:

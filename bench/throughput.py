@@ -41,6 +41,7 @@ if sys.path and Path(sys.path[0]).resolve() == REPO_ROOT / "bench":
 
 from bench.workloads import WORKLOADS, Workload, make_workload  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from engine.config import DEVICES  # noqa: E402
 from engine.models.loader import resolve_model_dir  # noqa: E402
 from engine.runtime import cpu_has_native_bf16  # noqa: E402
 
@@ -113,22 +114,27 @@ def useful_flops(shape: ModelShape, w: Workload) -> float:
 PEAK_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (1024, 3072, 576))
 
 
-def matmul_peak_flops(dtype: torch.dtype, seconds: float = 0.5) -> float:
-    """Best FLOP/s of a few large matmuls in ``dtype`` on this machine, now.
+def matmul_peak_flops(dtype: torch.dtype, seconds: float = 0.5,
+                      device: torch.device | None = None) -> float:
+    """Best FLOP/s of a few large matmuls in ``dtype`` on ``device`` (the CPU by default), now.
 
     The best of several shapes, because one shape can sit badly with the BLAS's blocking or
     the caches and a low peak would flatter MFU; ``main`` probes again after every workload
     and keeps the highest figure, because shared machines speed up and slow down.
     """
+    device = device or torch.device("cpu")
+    shapes = PEAK_SHAPES if device.type == "cpu" else ((8192, 8192, 8192),)
     best = 0.0
-    for m, n, k in PEAK_SHAPES:
-        a = torch.randn(m, k, dtype=dtype)
-        b = torch.randn(k, n, dtype=dtype)
+    for m, n, k in shapes:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
         a @ b
         iters, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
             a @ b
             iters += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         best = max(best, 2 * m * n * k * iters / (time.perf_counter() - start))
     return best
 
@@ -182,11 +188,12 @@ def run_kvbatch(engine: LLMEngine, w: Workload, shape: ModelShape) -> SystemResu
 
 def run_transformers(
     model_dir: Path, dtype: torch.dtype, w: Workload, batch_size: int, shape: ModelShape,
-    pad_id: int,
+    pad_id: int, device: torch.device | None = None,
 ) -> SystemResult:
     from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    device = device or torch.device("cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
     class StepClock(LogitsProcessor):
         def __init__(self) -> None:
@@ -212,8 +219,8 @@ def run_transformers(
         clock = StepClock()
         with torch.inference_mode():
             model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                do_sample=False, pad_token_id=pad_id,
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=pad_id,
                 logits_processor=LogitsProcessorList([clock]),
             )
         times = clock.times
@@ -292,7 +299,11 @@ def native_dtype() -> str:
     return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
-def machine() -> str:
+def machine(device: torch.device | None = None) -> str:
+    """The CPU (and its bf16 support, cores, threads), or the GPU for a CUDA ``device``."""
+    if device is not None and device.type == "cuda":
+        return (f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}, "
+                f"torch {torch.__version__}")
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
@@ -323,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="kvbatch KV pool")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="where both systems run (auto: CUDA when available)")
     parser.add_argument("--json", type=Path, help="where to write the JSON (default bench/out/)")
     parser.add_argument("--no-results-md", action="store_true", help="don't append RESULTS.md")
     args = parser.parse_args(argv)
@@ -335,14 +348,16 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30), device=args.device,
     ))
+    # transformers and the peak probe run where the engine does
+    device = engine.runner.model.embed_tokens.weight.device
     shape = model_shape(engine)
     model_dir = resolve_model_dir(args.model)
     pad_id = engine.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else min(engine.info.eos_token_ids)
-    peak = matmul_peak_flops(dtype)
-    print(f"{machine()}; {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
+    peak = matmul_peak_flops(dtype, device=device)
+    print(f"{machine(device)}; {args.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s", flush=True)
 
     results, raw = [], []
     for name in args.workloads:
@@ -351,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{w.num_output_tokens} output tokens", flush=True)
         ours = run_kvbatch(engine, w, shape)
         print(f"  kvbatch      {ours.wall_s:7.1f} s", flush=True)
-        base = run_transformers(model_dir, dtype, w, args.batch_size, shape, pad_id)
+        base = run_transformers(model_dir, dtype, w, args.batch_size, shape, pad_id, device)
         print(f"  transformers {base.wall_s:7.1f} s", flush=True)
         results.append((name, ours, base))
-        peak = max(peak, matmul_peak_flops(dtype))
+        peak = max(peak, matmul_peak_flops(dtype, device=device))
         raw.append({"workload": name, "kvbatch": asdict(ours), "transformers": asdict(base)})
 
     print(f"matmul peak, best of every probe: {peak / 1e9:.0f} GFLOP/s")
@@ -366,23 +381,25 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or OUT_DIR / f"throughput-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "date": stamp, "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
+        "date": stamp, "machine": machine(device),
+        "args": {k: str(v) for k, v in vars(args).items()},
         "matmul_peak_flops": peak, "rows": rows, "raw": raw,
     }, indent=2))
     print(f"\nwrote {out}")
     if not args.no_results_md:
-        append_results(rows, args, peak)
+        append_results(rows, args, peak, machine(device))
     return 0
 
 
-def append_results(rows: list[dict], args: argparse.Namespace, peak: float) -> None:
+def append_results(rows: list[dict], args: argparse.Namespace, peak: float,
+                   where: str) -> None:
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/throughput.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if k not in ("no_results_md", "json")
     )
     with RESULTS_MD.open("a") as f:
-        f.write(f"\n### {date} — throughput ({args.dtype})\n\n{machine()}; matmul peak "
+        f.write(f"\n### {date} — throughput ({args.dtype})\n\n{where}; matmul peak "
                 f"{peak / 1e9:.0f} GFLOP/s. `{command}`\n\n{table(rows)}\n")
 
 

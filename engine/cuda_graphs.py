@@ -29,6 +29,14 @@ from engine.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+def captures_decode_graphs(device: torch.device, enforce_eager: bool, backend: str) -> bool:
+    """Whether an engine replays its decode steps from CUDA graphs: on CUDA, unless
+    ``enforce_eager``, with the Triton kernels only. The torch reference backend reads the
+    sequence lengths on the host, which a capture cannot record (the capture fails and the
+    step's requests with it)."""
+    return device.type == "cuda" and not enforce_eager and backend == "triton"
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The captured batch sizes: 1, 2, 4, then multiples of 8, up to ``max_num_seqs``."""
     sizes = [s for s in (1, 2, 4) if s <= max_num_seqs] + list(range(8, max_num_seqs + 1, 8))

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import captures_decode_graphs
 from engine.isolation import FaultIsolator
 from engine.kv_cache import KVCacheManager, cdiv
 from engine.lora import LoRAManager
@@ -135,7 +136,7 @@ class LLMEngine:
             self.structured, host_kv_caches, self.pooling, self.lora,
         )
         self.runner.warm_up()
-        if device.type == "cuda" and not config.enforce_eager:
+        if captures_decode_graphs(device, config.enforce_eager, backend.name):
             self.runner.enable_decode_graphs(config.max_num_seqs,
                                              cdiv(max_model_len, block_size), capture=True)
         self.isolator = FaultIsolator(self.runner)

@@ -66,10 +66,16 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
         "argmax_rows": [_ptr, _ptr, _i64, _i64, _i32, _i32],
         "mask_rows": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
     }),
-    "cpu_linear": ((), {
+    # No contraction into FMAs: gcc 13 fused the tile shapes' multiply-adds differently, and a
+    # row's float32 result then depended on the rows beside it (seen on an H200 machine's Xeon),
+    # which the batch-invariant mode rules out. No slower here: the kernel waits on memory.
+    "cpu_linear": (("-ffp-contract=off",), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
     }),
-    "cpu_int8": ((), {
+    # The same for the int8 linear: on an AVX2 host gcc 12 contracted its tile shapes apart.
+    # Measured there, one thread, 8192x2048: 1 row unchanged (7.4-7.9 ms either way), 4 rows
+    # 8.5-8.9 ms contracted against 9.2-9.7 ms not.
+    "cpu_int8": (("-ffp-contract=off",), {
         "linear_int8": [_ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i32,
                         _i32],
     }),

@@ -66,8 +66,18 @@ def test_gpu_check_lists_its_steps_and_refuses_to_run_without_cuda() -> None:
                          capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     steps = [line.split()[0] for line in dry.stdout.splitlines() if "at most" in line]
-    assert steps == ["cuda-tests", "parity", "kernels", "throughput"]
+    assert steps == ["kernel-tests", "engine-tests", "parity", "kernels", "throughput"]
     assert "bench/kernels.py" in dry.stdout and "RESULTS.md" in dry.stdout
+    (throughput,) = [line for line in dry.stdout.splitlines() if line.startswith("throughput")]
+    assert "--device cuda" in throughput  # transformers on the GPU too, not the host's CPU
+    only = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--only",
+                           "parity,kernels"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert [line.split()[0] for line in only.stdout.splitlines() if "at most" in line] == [
+        "parity", "kernels"]
+    wrong = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--only", "paritee"],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "no step paritee" in wrong.stderr
     if torch.cuda.is_available():
         return  # the real run is make gpu-check's own business on a GPU machine
     real = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=REPO,

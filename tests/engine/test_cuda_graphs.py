@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cuda_graphs import graph_batch_sizes
+from engine.cuda_graphs import captures_decode_graphs, graph_batch_sizes
 from engine.outputs import RequestOutput
 
 # Five requests that finish one after another: decode batches of 5, 4, 3, 2, 1, padded to
@@ -28,6 +28,19 @@ SHARED = "a shared system prompt, long enough to be read in cascade " * 3
 ])
 def test_ladder(max_num_seqs: int, expected: list[int]) -> None:
     assert graph_batch_sizes(max_num_seqs) == expected
+
+
+@pytest.mark.parametrize(("device", "enforce_eager", "backend", "captured"), [
+    ("cuda", False, "triton", True),
+    ("cuda", True, "triton", False),
+    # found on an H200: the reference backend's host reads broke the capture, and its steps
+    ("cuda", False, "torch", False),
+    ("cpu", False, "triton", False),  # the interpreter
+    ("cpu", False, "cpu", False),
+])
+def test_only_the_triton_kernels_steps_are_captured(device: str, enforce_eager: bool,
+                                                     backend: str, captured: bool) -> None:
+    assert captures_decode_graphs(torch.device(device), enforce_eager, backend) is captured
     ladder = graph_batch_sizes(256)
     assert len(ladder) == 35 and ladder[-1] == 256
 

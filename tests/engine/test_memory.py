@@ -38,10 +38,11 @@ def test_profile_step_runs_the_full_budget_over_every_seat(
 
 
 def test_cpu_budget_is_the_configured_bytes(tiny_model: Path) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_model), num_kv_blocks=4))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_kv_blocks=4))
     model, backend, bs = engine.runner.model, engine.runner.backend, engine.info.block_size
-    assert kv_budget(EngineConfig(), model, backend, bs) == DEFAULT_CPU_KV_BYTES
-    assert kv_budget(EngineConfig(kv_cache_memory_bytes=12345), model, backend, bs) == 12345
+    assert kv_budget(EngineConfig(device="cpu"), model, backend, bs) == DEFAULT_CPU_KV_BYTES
+    assert kv_budget(EngineConfig(device="cpu", kv_cache_memory_bytes=12345), model, backend,
+                     bs) == 12345
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device (make gpu-check)")

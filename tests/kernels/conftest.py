@@ -6,6 +6,7 @@ Without CUDA the kernels run under Triton's interpreter, which must be switched 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -50,6 +51,7 @@ def make_paged_batch(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: torch.device = DEVICE,
 ) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
@@ -72,7 +74,7 @@ def make_paged_batch(
     pool = torch.randn(2, 2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     pool[:, 0, ~owned] = POISON_KEY
     pool[:, 1, ~owned] = POISON_VALUE
-    pool = pool.to(dtype).to(DEVICE)
+    pool = pool.to(dtype).to(device)
 
     q_lens = [q_len for _, q_len in seqs]
     num_tokens = sum(q_lens)
@@ -83,14 +85,14 @@ def make_paged_batch(
         for pos in range(seq_len - q_len, seq_len):
             slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(DEVICE)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
     return PagedBatch(
         key_cache=pool[1, 0],
         value_cache=pool[1, 1],
-        block_tables=block_tables.to(DEVICE),
-        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=DEVICE),
-        query_start_loc=query_start_loc.to(DEVICE),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor([s for s, _ in seqs], dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         query=qkv[:, :q_size].view(num_tokens, num_heads, head_dim),
         key=qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim),
         value=qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim),
@@ -110,6 +112,38 @@ def check_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
 def paged_batch():
     """The factory ``make_paged_batch``."""
     return make_paged_batch
+
+
+@pytest.fixture
+def cpu_paged_batch():
+    """``make_paged_batch`` on the CPU whatever the machine: for the C kernels' tests."""
+    return functools.partial(make_paged_batch, device=torch.device("cpu"))
+
+
+@pytest.fixture
+def row_exact_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Triton's interpreter, ``tl.dot`` on float32 tiles as a plain product-then-sum over
+    K, in order, for every row alike. The interpreter's own is numpy's matmul, whose BLAS
+    (OpenBLAS 0.3.31) rounds a row differently at another position of the tile, so a test of
+    a kernel's order of reduction would test numpy's. On CUDA nothing is replaced."""
+    if DEVICE.type == "cuda":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    blas_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return blas_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        products = a.data[:, :, None] * b.data[None, :, :]  # [M, K, N]
+        total = np.zeros_like(products[:, 0, :])
+        for k in range(products.shape[1]):
+            total += products[:, k, :]
+        return interpreter.TensorHandle(total.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
 
 
 @pytest.fixture

@@ -14,16 +14,17 @@ from kernels.batch_invariant import invariant_ops, prefill_as_decode
 from kernels.invariant_matmul import linear as triton_linear
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton linear's
 
 
 
 
 def _check_invariant_linear(linear, m: int, n: int, k: int, dtype: torch.dtype,
-                            bias: bool) -> None:
+                            bias: bool, device: torch.device) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).to(dtype)
-    b = torch.randn(n, generator=gen) if bias else None
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(device) if bias else None
     out = linear(x, w, b)
     ref = F.linear(x.float(), w.float(), b)
     assert out.dtype == dtype and out.shape == (m, n)
@@ -40,21 +41,22 @@ def _check_invariant_linear(linear, m: int, n: int, k: int, dtype: torch.dtype,
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 13, 13), (9, 64, 100), (70, 70, 64),
                                            (33, 130, 77)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype) -> None:
-    _check_invariant_linear(triton_linear, m, n, k, dtype, bias=n == 130)
+def test_triton_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype, row_exact_dot) -> None:
+    _check_invariant_linear(triton_linear, m, n, k, dtype, bias=n == 130, device=DEVICE)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 13, 13), (9, 64, 100), (70, 96, 576),
                                            (200, 37, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype) -> None:
-    _check_invariant_linear(native.linear_rows, m, n, k, dtype, bias=n == 37)
+    _check_invariant_linear(native.linear_rows, m, n, k, dtype, bias=n == 37,
+                            device=torch.device("cpu"))
 
 
-def test_cpu_decode_row_alone_is_the_row_in_a_batch(paged_batch) -> None:
+def test_cpu_decode_row_alone_is_the_row_in_a_batch(cpu_paged_batch) -> None:
     # With 2 threads a lone row would be split in two runs merged after (split-K) by default.
     ops = invariant_ops(get_ops("cpu"))
-    batch = paged_batch([(100, 1), (37, 1), (8, 1), (250, 1)], num_heads=6, num_kv_heads=2,
+    batch = cpu_paged_batch([(100, 1), (37, 1), (8, 1), (250, 1)], num_heads=6, num_kv_heads=2,
                         head_dim=64, block_size=8, dtype=torch.bfloat16)
     q = batch.query.contiguous()
     args = (batch.key_cache, batch.value_cache)
@@ -68,10 +70,10 @@ def test_cpu_decode_row_alone_is_the_row_in_a_batch(paged_batch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_token_is_the_same_in_any_chunk(paged_batch, dtype) -> None:
+def test_prefill_token_is_the_same_in_any_chunk(cpu_paged_batch, dtype) -> None:
     """A 40-token prompt's attention in one chunk, in chunks of 17 + 23 beside another
     sequence, and its last token as a decode row: the same bits for each token."""
-    batch = paged_batch([(40, 40), (25, 25)], num_heads=4, num_kv_heads=2, head_dim=13,
+    batch = cpu_paged_batch([(40, 40), (25, 25)], num_heads=4, num_kv_heads=2, head_dim=13,
                         block_size=8, dtype=dtype)
     ops = invariant_ops(get_ops("cpu"))
     prefill = prefill_as_decode(ops.decode)

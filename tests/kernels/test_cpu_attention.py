@@ -31,9 +31,9 @@ def _args(batch, decode: bool) -> tuple:
 
 @pytest.mark.parametrize(("head_dim", "block_size", "heads"), SHAPES)
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_fp32_matches_reference(paged_batch, assert_matches, head_dim, block_size, heads,
+def test_fp32_matches_reference(cpu_paged_batch, assert_matches, head_dim, block_size, heads,
                                 decode) -> None:
-    batch = paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=heads[0],
+    batch = cpu_paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=heads[0],
                         num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size)
     args = _args(batch, decode)
     if decode:
@@ -45,8 +45,8 @@ def test_fp32_matches_reference(paged_batch, assert_matches, head_dim, block_siz
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
-def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, decode) -> None:
-    batch = paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=9, num_kv_heads=3,
+def test_half_precision_matches_reference(cpu_paged_batch, assert_matches, dtype, decode) -> None:
+    batch = cpu_paged_batch(DECODE_SEQS if decode else PREFILL_SEQS, num_heads=9, num_kv_heads=3,
                         head_dim=64, block_size=16, dtype=dtype)
     args = _args(batch, decode)
     op = cpu.paged_attention_decode if decode else cpu.paged_attention_prefill
@@ -64,10 +64,10 @@ def test_half_precision_matches_reference(paged_batch, assert_matches, dtype, de
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # scattered: the prefix's blocks are gathered; consecutive (one prompt's prefill): viewed
 @pytest.mark.parametrize("layout", ["scattered", "consecutive"])
-def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, head_dim,
+def test_cascade_decode_over_shared_prefix_blocks(cpu_paged_batch, assert_matches, head_dim,
                                                    block_size, heads, sharing, dtype,
                                                    layout) -> None:
-    batch = paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
+    batch = cpu_paged_batch(CASCADE_SEQS, num_heads=heads[0], num_kv_heads=heads[1],
                         head_dim=head_dim, block_size=block_size, dtype=dtype)
     sharers = list(range(len(CASCADE_SEQS))) if sharing == "all" else [0, 2, 3, 5]
     tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, block_size, sharers,
@@ -82,19 +82,19 @@ def test_cascade_decode_over_shared_prefix_blocks(paged_batch, assert_matches, h
 
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(333, 1)], [(16, 1), (17, 1)]],
                          ids=["one-token", "one-seq", "two-seqs"])
-def test_decode_of_tiny_batches(paged_batch, assert_matches, seqs) -> None:
-    batch = paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+def test_decode_of_tiny_batches(cpu_paged_batch, assert_matches, seqs) -> None:
+    batch = cpu_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     args = _args(batch, decode=True)
     assert_matches(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
 
 
 @pytest.mark.parametrize("threads", [3, 4])
-def test_split_decode_of_fewer_sequences_than_threads(paged_batch, assert_matches,
+def test_split_decode_of_fewer_sequences_than_threads(cpu_paged_batch, assert_matches,
                                                       threads) -> None:
     # Each sequence is cut into runs of blocks (2 or 3 parts), merged after; with the cascade,
     # only the first part starts from the prefix's attention.
     seqs = [(150, 1), (97, 1)]
-    batch = paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    batch = cpu_paged_batch(seqs, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
     tables, prefix = share_prefix(batch.block_tables, batch.seq_lens, 16, [0, 1])
     args = (batch.query, batch.key_cache, batch.value_cache, tables, batch.seq_lens, 0.125)
     lone_args = (batch.query[:1], batch.key_cache, batch.value_cache, tables[:1],

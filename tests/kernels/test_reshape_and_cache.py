@@ -54,12 +54,13 @@ def test_no_tokens_is_a_no_op(paged_batch):
 
 
 @pytest.mark.parametrize(("num_kv_heads", "head_dim", "block_size", "dtype"), CASES)
-def test_cpu_row_copies_match_reference(paged_batch, num_kv_heads, head_dim, block_size, dtype):
+def test_cpu_row_copies_match_reference(cpu_paged_batch, num_kv_heads, head_dim, block_size,
+                                        dtype):
     """The CPU op copies rows in C when K/V already have the cache dtype (the engine's case:
     strided views into the qkv projection), and falls back to the reference otherwise."""
     from kernels import cpu
 
-    batch = paged_batch([(17, 17), (40, 9), (16, 1)], num_heads=num_kv_heads,
+    batch = cpu_paged_batch([(17, 17), (40, 9), (16, 1)], num_heads=num_kv_heads,
                         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                         dtype=dtype)
     tokens = batch.key.shape[0]

@@ -1,0 +1,52 @@
+"""bench/shapes.py: real-size shapes' parameter counts, and a small shape of each family
+written in shards that kvbatch and transformers both load, to the same greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.shapes import SHAPES, weight_shapes, write_random_model
+
+
+def test_the_shapes_have_the_published_parameter_counts() -> None:
+    counts = {name: sum(math.prod(s) for s in weight_shapes(config).values())
+              for name, config in SHAPES.items()}
+    # Llama 3.2 1B and 3B's model cards (tied embeddings); Qwen3-1.7B's "1.7B" (1.72B in all).
+    assert counts == {"llama-3.2-1b": 1_235_814_400, "qwen3-1.7b": 1_720_574_976,
+                      "llama-3.2-3b": 3_212_749_824}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_small_shape_loads_in_both_to_the_same_tokens(tmp_path: Path, model_type: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    config = dict(model_type=model_type, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, vocab_size=300, tie_word_embeddings=model_type == "qwen3",
+                  max_position_embeddings=256)
+    total = write_random_model(tmp_path / "m", config, shard_bytes=40_000)
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    shards = sorted(p.name for p in (tmp_path / "m").glob("*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)
+    assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert set(index["weight_map"]) == set(weight_shapes(config))
+    assert total == 2 * sum(math.prod(s) for s in weight_shapes(config).values())
+    assert write_random_model(tmp_path / "m", config) == total  # kept, not rewritten
+
+    prompt = [5, 17, 99, 3, 250]
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), dtype="float32",
+                                    num_kv_blocks=8))
+    ours = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True))[0].token_ids
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                             min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert ours == ref[0, len(prompt):].tolist()
