@@ -29,22 +29,27 @@ import sys, time
 def rss(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
 import torch
-which, model_dir = sys.argv[1], sys.argv[2]
+which, model_dir, quantization = sys.argv[1], sys.argv[2], sys.argv[3]
 if which == "kvbatch":
     from engine import EngineConfig, LLMEngine
     base = rss("VmRSS:")
+    started = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", device="cpu",
-                                    num_kv_blocks=16, max_model_len=256))
+                                    num_kv_blocks=16, max_model_len=256,
+                                    quantization=None if quantization == "none" else quantization))
+    seconds = time.perf_counter() - started
     loaded = rss("VmHWM:")
     engine.generate([[1, 2, 3]])
 else:
     from transformers import AutoModelForCausalLM
     base = rss("VmRSS:")
+    started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    seconds = time.perf_counter() - started
     loaded = rss("VmHWM:")
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
-print(base * 1024, loaded * 1024, rss("VmHWM:") * 1024)
+print(base * 1024, loaded * 1024, rss("VmHWM:") * 1024, seconds)
 """
 
 
@@ -56,12 +61,15 @@ def write_model(path: Path, shard_bytes: int) -> int:
     return write_random_model(path, {"model_type": "llama", **CONFIG}, shard_bytes)
 
 
-def measure(which: str, model_dir: Path) -> tuple[int, int, int]:
-    """(RSS before loading, peak once loaded, peak after a forward pass), in bytes."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, which, str(model_dir)], cwd=REPO_ROOT,
-                         check=True, capture_output=True, text=True).stdout.split()
-    base, loaded, served = (int(x) for x in out[-3:])
-    return base, loaded, served
+def measure(which: str, model_dir: Path,
+            quantization: str | None = None) -> tuple[int, int, int, float]:
+    """(RSS before loading, peak once loaded, peak after a forward pass) in bytes, and the
+    load's seconds (``which``: kvbatch, in bf16 or with ``quantization``, or transformers)."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, which, str(model_dir),
+                          quantization or "none"], cwd=REPO_ROOT, check=True,
+                         capture_output=True, text=True).stdout.split()
+    base, loaded, served = (int(x) for x in out[-4:-1])
+    return base, loaded, served, float(out[-1])
 
 
 def main() -> None:
@@ -79,7 +87,7 @@ def main() -> None:
           "peak / weights | (peak - before) / weights |")
     print("|---|---|---|---|---|---|")
     for which in ("kvbatch", "transformers"):
-        base, loaded, peak = measure(which, model_dir)
+        base, loaded, peak, _ = measure(which, model_dir)
         print(f"| {which} | {base / gib:.2f} GiB | {loaded / gib:.2f} GiB | {peak / gib:.2f} GiB"
               f" | {peak / weights:.2f}x | {(peak - base) / weights:.2f}x |", flush=True)
 

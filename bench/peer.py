@@ -75,7 +75,11 @@ def split(w: Workload, n: int, k: int) -> Workload:
 def kvbatch_engine(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=256))
+    kv_gib = getattr(args, "kv_cache_gib", None)
+    return LLMEngine(EngineConfig(
+        model=args.model, dtype=args.dtype, max_num_seqs=256,
+        quantization=getattr(args, "quantization", None),
+        kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30)))
 
 
 def kvbatch_run(engine, w: Workload) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -164,7 +168,9 @@ def llama_per_token(url: str, prompt: list[int]) -> float:
 
 # -- the comparison ----------------------------------------------------------------------------
 
-def compare(args: argparse.Namespace) -> list[Run]:
+def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
+    """Every ``args.concurrency`` on kvbatch (and llama-server with ``args.llama_server``), and
+    one request alone on each: the runs, and seconds a token of the lone request by system."""
     from transformers import AutoTokenizer
 
     from engine.models.loader import resolve_model_dir
@@ -204,7 +210,7 @@ def compare(args: argparse.Namespace) -> list[Run]:
         except OSError as exc:
             print(f"llama.cpp alone failed ({exc}); see {log}", flush=True)
     print_table(runs, per_token)
-    return runs
+    return runs, per_token
 
 
 def print_table(runs: list[Run], per_token: dict[str, float]) -> None:

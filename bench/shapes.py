@@ -34,7 +34,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                          rope_theta=500000.0, max_position_embeddings=8192),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "chat_template.jinja", "generation_config.json")
 
 
 def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

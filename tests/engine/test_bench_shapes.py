@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,32 @@ def test_a_small_shape_loads_in_both_to_the_same_tokens(tmp_path: Path, model_ty
     ref = ref_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                              min_new_tokens=8, do_sample=False, pad_token_id=0)
     assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/realsize.py end to end without llama.cpp: load, lone request, kvbatch at 2
+    requests and against transformers, each line with its figures."""
+    from bench import realsize, shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
+        tie_word_embeddings=True, max_position_embeddings=1024))
+    monkeypatch.setattr(realsize, "LONE_TOKENS", 8)
+    assert realsize.main(["--shapes", "tiny", "--concurrency", "2", "--transformers-requests",
+                          "2", "--models", str(tmp_path / "models"), "--out",
+                          str(tmp_path / "out"), "--kv-cache-gib", "0.05",
+                          "--no-results-md"]) == 0
+    out = capsys.readouterr().out
+    assert "# memory: read " in out
+    lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("- ")}
+    assert set(lines) == {"- load", "- lone request", "- 2 requests"}, out
+    weights = 2 * sum(math.prod(s) for s in weight_shapes(shapes.SHAPES["tiny"]).values())
+    assert f"({weights / 2**30:.2f} GiB of bf16 weights):" in out
+    assert "x the weights" in lines["- load"] and "GB of weights a step" in lines["- lone request"]
+    (kv_line, hf_line) = [line for line in out.splitlines() if line.startswith("- 2 requests")]
+    assert "llama.cpp 0.0 (best" in kv_line  # no server given: kvbatch's half only
+    ours, theirs = (float(x) for x in re.findall(r"(\d+\.\d+) useful tok/s, transformers "
+                                                  r"(\d+\.\d+)", hf_line)[0])
+    assert ours > 0 and theirs > 0 and f"= {ours / theirs:.2f}x" in hf_line

@@ -1,0 +1,192 @@
+"""Real-size shapes on this machine, in one command: Llama-3.2-1B and 3B (``bench/shapes.py``,
+random bf16 weights in hub-style shards) through kvbatch, transformers and llama.cpp.
+
+For each shape, printed and appended to ``bench/RESULTS.md``:
+
+- **load**: seconds to a ready ``LLMEngine`` and its peak RSS over the weights' bytes, in a
+  fresh process (``bench/load_memory.py``'s measure; goal <= 1.2x);
+- **a lone request**: ms a token (64 tokens after the first, best of 3), the weight bytes a
+  decode step reads and the GB/s that makes, against this machine's memory read (a sum over
+  1 GiB) and copy measured in the same run; llama.cpp's ms a token on a server of one slot;
+- **kvbatch against llama.cpp** at each ``--concurrency`` (``bench/peer.py``: chat requests
+  sharing a 170-token system prompt, cold and warm; goals >= 2x at 32, >= 3x at 128, and a
+  lone request at least llama.cpp's speed);
+- **kvbatch against transformers** at ``--transformers-requests`` (the same kind of requests,
+  transformers' static batches of that size, greedy; goal >= 5x at 32).
+
+llama.cpp comes from a checkout built as ``bench/peer.py`` says (``--llama-cpp DIR`` with
+``DIR/build/bin/llama-server``); its ``convert_hf_to_gguf.py`` writes each shape's GGUF once
+(BF16, or Q8_0 with ``--quantization int8``), with the checkout's own ``gguf-py``.
+
+    python -m bench.realsize --llama-cpp ~/llama.cpp                  # both shapes, bf16
+    python -m bench.realsize --shapes llama-3.2-1b --concurrency 32 --quantization int8
+
+On 2 cores a 3B shape's 128 requests take the better part of an hour per system: pick with
+``--shapes`` and ``--concurrency``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from bench import peer
+from bench.int8 import decode_ms, weight_read_bytes
+from bench.load_memory import measure
+from bench.shapes import SHAPES, write_shape
+from bench.throughput import RESULTS_MD, machine, model_shape, native_dtype, run_transformers
+from bench.workloads import shared_system_workload
+from engine import EngineConfig, LLMEngine
+from engine.models.loader import cache_dir
+
+LONE_TOKENS = 64
+LONE_TRIES = 3
+
+
+def memory_bandwidth(gib: float = 1.0, tries: int = 5) -> tuple[float, float]:
+    """(read, copy) GB/s of this machine now: a sum over ``gib`` GiB of float32, and a copy
+    of it (bytes read plus written), the best of ``tries`` each."""
+    src = torch.ones(int(gib * 2**30) // 4)
+    dst = torch.empty_like(src)
+    read = copy = float("inf")
+    for _ in range(tries):
+        started = time.perf_counter()
+        src.sum()
+        read = min(read, time.perf_counter() - started)
+        started = time.perf_counter()
+        dst.copy_(src)
+        copy = min(copy, time.perf_counter() - started)
+    return src.nbytes / read / 1e9, 2 * src.nbytes / copy / 1e9
+
+
+def gguf_of(model_dir: Path, llama_cpp: Path, quantization: str | None) -> Path:
+    """The shape's GGUF for llama.cpp (written once): BF16, or Q8_0 for int8."""
+    outtype = "q8_0" if quantization == "int8" else "bf16"
+    out = model_dir / f"model-{outtype}.gguf"
+    if not out.is_file():
+        env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
+        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model_dir),
+                        "--outtype", outtype, "--outfile", str(out)], check=True, env=env,
+                       stdout=subprocess.DEVNULL)
+    return out
+
+
+def lone_request(engine: LLMEngine) -> float:
+    """ms a decode step of one request alone, best of :data:`LONE_TRIES` fresh prompts."""
+    prompts = shared_system_workload("realsize-lone", engine.tokenizer, LONE_TRIES, 40,
+                                     (20, 40), (1, 1), seed=3).prompts
+    return min(decode_ms(engine, prompt, LONE_TOKENS)[0] for prompt in prompts)
+
+
+def versus_transformers(model_dir: Path, n: int, args: Namespace) -> tuple[float, float]:
+    """Useful tokens a second of kvbatch and of transformers on ``n`` requests."""
+    engine = peer.kvbatch_engine(args)
+    w = shared_system_workload("realsize-hf", engine.tokenizer, n, peer.SYSTEM_TOKENS,
+                               peer.USER_TOKENS, peer.OUTPUT_TOKENS, args.seed)
+    seconds, tokens = peer.kvbatch_run(engine, w)
+    shape, pad = model_shape(engine), min(engine.info.eos_token_ids)
+    del engine
+    # transformers at its best on this CPU: bf16 where it has bf16 arithmetic, else float32
+    base = run_transformers(model_dir, getattr(torch, native_dtype()), w, n, shape, pad)
+    return tokens / seconds, base.useful_tokens / base.wall_s
+
+
+def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> list[str]:
+    model_dir = args.models / name
+    weights = write_shape(name, model_dir)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+
+    say(f"**{name}** ({weights / 2**30:.2f} GiB of bf16 weights"
+        f"{', int8' if args.quantization else ''}):")
+    base, loaded, _, seconds = measure("kvbatch", model_dir, args.quantization)
+    say(f"- load: {seconds:.1f} s, peak RSS {loaded / 2**30:.2f} GiB = "
+        f"{loaded / weights:.2f}x the weights ({(loaded - base) / weights:.2f}x past "
+        "the process's start; goal <= 1.2x)")
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16",
+                                    quantization=args.quantization,
+                                    enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29))
+    ms = lone_request(engine)
+    read = weight_read_bytes(engine)
+    del engine
+    say(f"- lone request: kvbatch {ms:.1f} ms a token, {read / 1e9:.2f} GB of weights "
+        f"a step = {read / ms / 1e6:.1f} GB/s (memory: read {bandwidth[0]:.1f} GB/s, "
+        f"copy {bandwidth[1]:.1f} GB/s)")
+
+    sub = Namespace(model=str(model_dir), dtype="bfloat16", quantization=args.quantization,
+                    kv_cache_gib=args.kv_cache_gib, concurrency=args.concurrency,
+                    llama_server=None, gguf=None, slots=128, slot_ctx=512,
+                    threads=args.threads, seed=args.seed, out=str(args.out))
+    if args.llama_cpp:
+        sub.llama_server = str(args.llama_cpp / "build" / "bin" / "llama-server")
+        sub.gguf = str(gguf_of(model_dir, args.llama_cpp, args.quantization))
+    if args.concurrency:
+        runs, per_token = peer.compare(sub)
+        for n in args.concurrency:
+            best = {system: max((r.tok_s for r in runs if r.system == system
+                                 and r.concurrency == n), default=0.0)
+                    for system in ("kvbatch", "llama.cpp")}
+            ratio = (f" = {best['kvbatch'] / best['llama.cpp']:.2f}x"
+                     if best["llama.cpp"] else "")
+            say(f"- {n} requests: kvbatch {best['kvbatch']:.1f} useful tok/s, "
+                f"llama.cpp {best['llama.cpp']:.1f}{ratio} (best of cold and warm)")
+        if "llama.cpp" in per_token:
+            theirs = per_token["llama.cpp"] * 1000
+            say(f"- lone request: llama.cpp {theirs:.1f} ms a token; kvbatch "
+                f"{theirs / ms:.2f}x its speed")
+    if args.transformers_requests:
+        ours, theirs = versus_transformers(model_dir, args.transformers_requests, sub)
+        say(f"- {args.transformers_requests} requests: kvbatch {ours:.1f} useful "
+            f"tok/s, transformers {theirs:.1f} = {ours / theirs:.2f}x")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["llama-3.2-1b", "llama-3.2-3b"],
+                        choices=SHAPES)
+    parser.add_argument("--quantization", choices=["int8"], default=None)
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[32, 128],
+                        help="request counts against llama.cpp (none: skip)")
+    parser.add_argument("--transformers-requests", type=int, default=32,
+                        help="requests against transformers (0: skip)")
+    parser.add_argument("--llama-cpp", type=Path, help="a built llama.cpp checkout")
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--models", type=Path, default=cache_dir() / "bench-models",
+                        help="where the shapes are written (once)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/kvbatch-bench-realsize"))
+    parser.add_argument("--no-results-md", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    where = machine()
+    bandwidth = memory_bandwidth()
+    print(f"# {where}\n# memory: read {bandwidth[0]:.1f} GB/s, copy {bandwidth[1]:.1f} GB/s",
+          flush=True)
+    sections = [run_shape(name, args, bandwidth) for name in args.shapes]
+    if not args.no_results_md:
+        stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        command = "python -m bench.realsize " + " ".join(argv if argv is not None
+                                                          else sys.argv[1:])
+        with RESULTS_MD.open("a") as f:
+            f.write(f"\n### {stamp} — real-size shapes\n\n{where}. `{command}`\n\n"
+                    + "\n\n".join("\n".join(s) for s in sections) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
