@@ -33,6 +33,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                          head_dim=128, vocab_size=128256, tie_word_embeddings=True,
                          rope_theta=500000.0, max_position_embeddings=8192),
 }
+# config.json's "architectures", which llama.cpp's converter reads
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
@@ -62,9 +65,10 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 def write_random_model(path: Path, config: dict[str, Any], shard_bytes: int = 2 << 30,
                        tokenizer_dir: Path | None = None) -> int:
-    """Write a random bf16 model of ``config`` to ``path`` (once: an existing one is kept) in
-    shards of about ``shard_bytes``; returns the weights' bytes. The tokenizer is copied from
-    ``tokenizer_dir``, or the tiny byte-level one of ``engine.testing`` without it."""
+    """Write a random bf16 model of ``config`` to ``path`` in shards of about ``shard_bytes``
+    (once: existing weights are kept, the config rewritten); returns the weights' bytes. The
+    tokenizer is copied from ``tokenizer_dir``, or the tiny byte-level one of
+    ``engine.testing`` without it."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -72,17 +76,18 @@ def write_random_model(path: Path, config: dict[str, Any], shard_bytes: int = 2 
     from engine.testing import build_byte_tokenizer
 
     index_file = path / "model.safetensors.index.json"
+    path.mkdir(parents=True, exist_ok=True)
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    AutoConfig.for_model(config["model_type"], architectures=[ARCHITECTURES[config["model_type"]]],
+                         **fields).save_pretrained(path)
     if index_file.is_file():
         return int(json.loads(index_file.read_text())["metadata"]["total_size"])
-    path.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
         build_byte_tokenizer(path)
     else:
         for name in TOKENIZER_FILES:
             if (tokenizer_dir / name).is_file():
                 shutil.copy(tokenizer_dir / name, path / name)
-    fields = {k: v for k, v in config.items() if k != "model_type"}
-    AutoConfig.for_model(config["model_type"], **fields).save_pretrained(path)
     gen = torch.Generator().manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}

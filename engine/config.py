@@ -87,6 +87,11 @@ class EngineConfig:
         "quantized as a bf16/float32 checkpoint loads (GGUF Q8_0 tensors load as they are, a "
         "scale per 32 inputs). A decode step reads half the bytes of bf16; see "
         "bench/int8.py for speed and quality")
+    cpu_threads: int | None = _field(
+        None, "threads of the engine's CPU kernels and torch's CPU ops; default: the CPUs this "
+        "process may run on (its affinity: taskset, a container's cpuset). Workers that share "
+        "a host's cores unpinned should split them (e.g. 2 workers on 16 cores: 8 each), or "
+        "each takes every core and their threads contend")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
     grammar_compile_timeout_s: float = _field(
         30.0, "most seconds one response_format may take to compile (in a process beside the "
@@ -109,7 +114,7 @@ class EngineConfig:
             )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cpu_threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

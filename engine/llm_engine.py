@@ -53,6 +53,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.cpu_threads is not None:  # process-wide, as torch's own setting is
+            torch.set_num_threads(config.cpu_threads)
         device = resolve_device(config)
         block_size = resolve_block_size(config, device)
         dtype = resolve_dtype(config, device)

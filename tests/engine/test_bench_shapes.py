@@ -40,6 +40,9 @@ def test_a_small_shape_loads_in_both_to_the_same_tokens(tmp_path: Path, model_ty
     assert set(index["weight_map"]) == set(weight_shapes(config))
     assert total == 2 * sum(math.prod(s) for s in weight_shapes(config).values())
     assert write_random_model(tmp_path / "m", config) == total  # kept, not rewritten
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert written["architectures"] == [{"llama": "LlamaForCausalLM",
+                                         "qwen3": "Qwen3ForCausalLM"}[model_type]]
 
     prompt = [5, 17, 99, 3, 250]
     engine = LLMEngine(EngineConfig(model=str(tmp_path / "m"), dtype="float32",
