@@ -16,12 +16,18 @@ Two modes:
   cost: the job rate from submission to terminal SQL row with one worker, and the latency of
   a lone job (submit, then wait for its row), whose p50 is the per-job queue overhead.
 
+* ``workers``: ``--workers`` workers on this host (2 by default) and the same
+  ``--jobs`` jobs through them: the engine in its own process against on a thread, each
+  with every core per worker (torch's default) and with the cores split between the
+  workers (``KVBATCH_CPU_THREADS``), alternately ``--repeat`` times, the best of each.
+
 Everything runs against real services (``--redis-url``, ``--database-url``: local Redis and
 PostgreSQL by default), in a PostgreSQL schema and a Redis key prefix of the run's own,
 removed at the end.
 
     python -m bench.queue_path --jobs 128 512
     python -m bench.queue_path --mode null --jobs 20000
+    python -m bench.queue_path --mode workers --model TINY_MODEL_DIR --jobs 3000 --repeat 1
 """
 
 from __future__ import annotations
@@ -324,9 +330,63 @@ def engine_mode(args: argparse.Namespace) -> int:
     return 0
 
 
+def wait_for_workers(services: Services, n: int, timeout_s: float = 300) -> None:
+    """Until ``n`` workers' heartbeats are current."""
+    import redis
+
+    from jobs.constants import Keys
+    from jobs.queue import live_workers
+
+    client = redis.Redis.from_url(services.redis_url, decode_responses=True)
+    deadline = time.monotonic() + timeout_s
+    while len(live_workers(client, Keys(services.key_prefix))) < n:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fewer than {n} workers came up")
+        time.sleep(0.2)
+    client.close()
+
+
+def workers_mode(args: argparse.Namespace) -> int:
+    """``--workers`` workers on this host, the same jobs through them in four ways: the engine
+    in a child process or on a thread, each with every core per worker (the default) and with
+    the cores split between the workers (``KVBATCH_CPU_THREADS``), alternately ``--repeat``
+    times; prints the best seconds of each."""
+    from contextlib import ExitStack
+
+    rows = _rows(args.jobs[0])
+    warm_rows = [{**r, "max_tokens": 2} for r in _rows(4 * args.workers, seed=1)]
+    split = max(1, (os.cpu_count() or 1) // args.workers)
+    ways = [(in_child, threads) for in_child in (True, False) for threads in (None, split)]
+    best: dict[tuple[bool, int | None], float] = {}
+    with scratch_services(args.redis_url, args.database_url) as services:
+        for _ in range(args.repeat):
+            for in_child, threads in ways:
+                env = {"KVBATCH_CPU_THREADS": str(threads)} if threads else {}
+                label = f"{'process' if in_child else 'thread'}-{threads or 'all'}"
+                with ExitStack() as stack:
+                    for k in range(args.workers):
+                        stack.enter_context(worker_process(
+                            services, args, null=False, engine_process=in_child,
+                            name=f"{label}-{k}", env=env))
+                    wait_for_workers(services, args.workers)
+                    run_queue(services, warm_rows)
+                    seconds, _, _ = run_queue(services, rows)
+                best[in_child, threads] = min(best.get((in_child, threads), seconds), seconds)
+                print(f"{label}: {seconds:.1f} s", flush=True)
+    print(f"| {args.workers} workers, {len(rows)} jobs | engine process | engine thread | "
+          "process / thread |")
+    print("|---|---|---|---|")
+    for threads in (None, split):
+        proc, thread = best[True, threads], best[False, threads]
+        print(f"| {'every core each' if threads is None else f'{threads} threads each'} | "
+              f"{proc:.2f} s | {thread:.2f} s | {proc / thread:.2f} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=["engine", "null"], default="engine")
+    parser.add_argument("--mode", choices=["engine", "null", "workers"], default="engine")
+    parser.add_argument("--workers", type=int, default=2, help="workers mode: workers")
     parser.add_argument("--jobs", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="auto")
@@ -351,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.mode == "engine":
         return engine_mode(args)
+    if args.mode == "workers":
+        return workers_mode(args)
     with scratch_services(args.redis_url, args.database_url) as services, \
             worker_process(services, args, null=True):
         lone = lone_job_latencies(services, args.lone_jobs)

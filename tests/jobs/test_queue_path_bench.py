@@ -49,3 +49,28 @@ def test_null_engine_gives_each_request_its_tokens() -> None:
                 finished[out.request_id] = len(out.token_ids)
     assert finished == {"r0": 5, "r1": 1, "r2": 4}
     assert engine.stats().num_generated_tokens == 10
+
+
+def test_workers_mode_runs_the_four_ways(tmp_path: Path, tiny_model: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two tiny-model workers, engine process and thread, every core and cores split: each
+    way brings the jobs to terminal rows, and the table gives each its seconds."""
+    import os
+
+    before = _leftovers()
+    assert queue_path.main(["--mode", "workers", "--workers", "2", "--model", tiny_model,
+                            "--dtype", "float32", "--jobs", "6", "--repeat", "1",
+                            "--redis-url", REDIS_URL, "--database-url", PG_URL,
+                            "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    split = max(1, (os.cpu_count() or 1) // 2)
+    for label in ("process-all", "thread-all", f"process-{split}", f"thread-{split}"):
+        assert f"{label}: " in out
+        assert (tmp_path / f"worker-{label}-1.log").is_file()  # both workers ran
+    rows = [line for line in out.splitlines() if line.startswith(("| every", f"| {split} thr"))]
+    assert len(rows) == 2
+    for row in rows:
+        proc, thread, ratio = (cell.strip() for cell in row.strip("|").split("|")[1:])
+        assert float(proc[:-2]) > 0 and float(thread[:-2]) > 0
+        assert float(ratio) == pytest.approx(float(proc[:-2]) / float(thread[:-2]), rel=0.02)
+    assert _leftovers() == before
