@@ -28,6 +28,7 @@ class Stats:
     wall_s: float
     peak_kv_bytes: int
     preemptions: int
+    gpu_s: float  # the jobs' cost in GPU-seconds (their shares of the engine steps they ran in)
     e2e_s: dict[str, float | None]  # p50 / p90 / p99
     ttft_s: dict[str, float | None]
     queue_wait_s: dict[str, float | None]
@@ -67,6 +68,7 @@ def aggregate(rows: list[dict[str, Any]]) -> Stats:
         wall_s=wall_s,
         peak_kv_bytes=max((r["peak_kv_bytes"] or 0 for r in rows), default=0),
         preemptions=sum(r["preemptions"] or 0 for r in rows),
+        gpu_s=sum(r.get("gpu_s") or 0.0 for r in rows),
         e2e_s=percentiles([r["e2e_s"] for r in ok]),
         ttft_s=percentiles([r["ttft_s"] for r in ok]),
         queue_wait_s=percentiles([r["queue_wait_s"] for r in ok]),

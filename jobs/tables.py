@@ -70,6 +70,7 @@ def format_stats(stats: Stats) -> str:
         ("queue wait p50/p90/p99", pct(stats.queue_wait_s) + " s"),
         ("peak KV memory (one job)", human_bytes(stats.peak_kv_bytes)),
         ("preemptions", str(stats.preemptions)),
+        ("cost", f"{stats.gpu_s:.3f} GPU-seconds"),
     ]
     return format_table(("metric", "value"), rows)
 

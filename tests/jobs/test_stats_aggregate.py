@@ -20,7 +20,8 @@ def _row(status: str = "succeeded", *, start_s: float = 0.0, end_s: float = 1.0,
         "status": status, "created_at": T0 + timedelta(seconds=start_s),
         "finished_at": T0 + timedelta(seconds=end_s), "prompt_tokens": None,
         "cached_prompt_tokens": None, "generated_tokens": None, "peak_kv_bytes": None,
-        "preemptions": None, "e2e_s": None, "ttft_s": None, "queue_wait_s": None}
+        "preemptions": None, "gpu_s": None, "e2e_s": None, "ttft_s": None,
+        "queue_wait_s": None}
     row.update(figures)
     return row
 
@@ -28,19 +29,21 @@ def _row(status: str = "succeeded", *, start_s: float = 0.0, end_s: float = 1.0,
 def test_sums_peak_and_counts_by_status() -> None:
     rows = [
         _row(start_s=0, end_s=4, prompt_tokens=10, cached_prompt_tokens=4, generated_tokens=3,
-             peak_kv_bytes=100, preemptions=2, e2e_s=4.0, ttft_s=1.0, queue_wait_s=0.5),
+             peak_kv_bytes=100, preemptions=2, gpu_s=0.25, e2e_s=4.0, ttft_s=1.0,
+             queue_wait_s=0.5),
         _row("failed", start_s=1, end_s=2, prompt_tokens=6, cached_prompt_tokens=2,
-             generated_tokens=1, peak_kv_bytes=300, preemptions=1, e2e_s=99.0, ttft_s=99.0,
-             queue_wait_s=99.0),
+             generated_tokens=1, peak_kv_bytes=300, preemptions=1, gpu_s=0.5, e2e_s=99.0,
+             ttft_s=99.0, queue_wait_s=99.0),
         _row("cancelled", start_s=2, end_s=3, prompt_tokens=None, generated_tokens=None),
         _row(start_s=3, end_s=8, prompt_tokens=4, cached_prompt_tokens=0, generated_tokens=7,
-             peak_kv_bytes=200, preemptions=3, e2e_s=5.0, ttft_s=2.0, queue_wait_s=1.5),
+             peak_kv_bytes=200, preemptions=3, gpu_s=2.0, e2e_s=5.0, ttft_s=2.0,
+             queue_wait_s=1.5),
     ]
     s = aggregate(rows)
     assert replace(s, e2e_s={}, ttft_s={}, queue_wait_s={}) == Stats(
         jobs=4, by_status={"succeeded": 2, "failed": 1, "cancelled": 1}, prompt_tokens=20,
         cached_prompt_tokens=6, generated_tokens=11, wall_s=8.0, peak_kv_bytes=300,
-        preemptions=6, e2e_s={}, ttft_s={}, queue_wait_s={})
+        preemptions=6, gpu_s=2.75, e2e_s={}, ttft_s={}, queue_wait_s={})
     # latencies of the succeeded jobs only: the failed job's 99s are left out
     assert s.e2e_s == pytest.approx({"p50": 4.5, "p90": 4.9, "p99": 4.99})
     assert s.ttft_s == pytest.approx({"p50": 1.5, "p90": 1.9, "p99": 1.99})
@@ -52,7 +55,8 @@ def test_sums_peak_and_counts_by_status() -> None:
 
 def test_no_rows() -> None:
     s = aggregate([])
-    assert (s.jobs, s.by_status, s.wall_s, s.peak_kv_bytes, s.preemptions) == (0, {}, 0.0, 0, 0)
+    assert (s.jobs, s.by_status, s.wall_s, s.peak_kv_bytes, s.preemptions, s.gpu_s) == (
+        0, {}, 0.0, 0, 0, 0.0)
     assert (s.prompt_tokens, s.cached_prompt_tokens, s.generated_tokens) == (0, 0, 0)
     assert s.e2e_s == {"p50": None, "p90": None, "p99": None}
     assert (s.output_tokens_per_s, s.total_tokens_per_s, s.prefix_cache_hit_rate) == (0, 0, 0)

@@ -113,7 +113,7 @@ def test_async_client_parity(services, start_worker) -> None:  # type: ignore[no
             again = await client.submit_batch(rows, batch_id="abatch", max_tokens=3)
             assert await again.job_ids() == await batch.job_ids()
             stats = await client.stats(batch_id="abatch")
-            assert stats.jobs == 20 and stats.generated_tokens > 0
+            assert stats.jobs == 20 and stats.generated_tokens > 0 and stats.gpu_s > 0
 
             queued = await client.submit(prompt="x", max_tokens=4, model="nobody-serves")
             assert await queued.cancel() is JobStatus.CANCELLED

@@ -4,6 +4,7 @@ the tiny model, four prompts, a few tokens."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
     assert [r.split()[:2] for r in rows] == [[f"q{i}", "succeeded"] for i in range(4)]
     assert "hit rate" in out and "output tok/s" in out and "peak KV memory" in out
     assert "4 (4 succeeded)" in out
+    (cost,) = re.findall(r"cost\s+\|?\s*([0-9.]+) GPU-seconds", out)  # the jobs' steps' time
+    assert float(cost) > 0
     results = jsonl((tmp_path / "results.jsonl").read_text())
     assert sorted(r["custom_id"] for r in results) == ["q0", "q1", "q2", "q3"]
     assert all(0 < r["usage"]["completion_tokens"] <= 6 for r in results)
