@@ -33,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,12 +94,13 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``);
 # past them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU
 # has no bf16 arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a
-# step of SmolLM2's linears in float32 against torch's 60-72 ms; with bf16 weights it ties
-# widen-then-GEMM at 4 rows and loses at 8. On a 2-core Xeon with AVX512-BF16, whose dot
-# product of bf16 pairs the kernel then uses: 22.9 ms at 8 rows against torch's bf16 GEMM's
-# 23.6 (and 38.2 against 23.7 at 16), and a decode step of 8 rows in one C call 31 ms against
-# 39 layer by layer.
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 4}
+# step of SmolLM2's linears in float32 against torch's 60-72 ms. With bf16 weights, on a 2-core
+# AVX2 EPYC (2026-12-04), 8 rows against chunked widen-then-GEMM: 0.40 vs 0.80 ms for
+# SmolLM2's 1536x576, 6.9 vs 17.5 ms for Llama-3.2-1B's 8192x2048; at 32 rows they tie. On a
+# 2-core Xeon with AVX512-BF16, whose dot product of bf16 pairs the kernel then uses: 22.9 ms
+# at 8 rows against torch's bf16 GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step
+# of 8 rows in one C call 31 ms against 39 layer by layer.
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 LINEAR_MAX_ROWS_BF16_DOT = 8
 
 
@@ -184,9 +186,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
             x.dtype in LINEAR_MAX_ROWS):
         return linear_rows(x, weight, bias)
     if weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        widened = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), widened).to(x.dtype)
+        return _linear_widened(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# Bytes of float32 weight rows widened at a time by ``_linear_widened``.
+WIDEN_CHUNK_BYTES = 8 << 20
+_scratch = threading.local()
+
+
+def _linear_widened(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of bf16 ``weight`` in float32, widened ``WIDEN_CHUNK_BYTES`` of rows at a
+    time into one buffer reused by every call of the thread. Widening a whole real-size
+    matrix into a fresh tensor page-faults its every byte: 43 ms of the 70 a 32-row product
+    by Llama-3.2-1B's 8192x2048 up-projection took on a 2-core AVX2 host (24 ms chunked)."""
+    n, k = weight.shape
+    step = max(1, min(n, WIDEN_CHUNK_BYTES // (4 * k)))
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < step * k:
+        buf = _scratch.buf = torch.empty(step * k, dtype=torch.float32)
+    xt = x.reshape(-1, k).float().T
+    out_t = torch.empty(n, xt.shape[1], dtype=torch.float32)  # y transposed, filled by rows
+    for n0 in range(0, n, step):
+        rows = min(step, n - n0)
+        chunk = buf[: rows * k].view(rows, k)
+        chunk.copy_(weight[n0 : n0 + rows])
+        torch.mm(chunk, xt, out=out_t[n0 : n0 + rows])
+    y = out_t.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).contiguous().view(*x.shape[:-1], n)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor,

@@ -45,7 +45,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
             for o in outputs]
 
 
-BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 4, or 8 with AVX512-BF16
+BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 8
 
 
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [

@@ -50,3 +50,26 @@ def test_float32_rows_by_bf16_weights(rows: int) -> None:
     expected = _reference(x, weight, None)
     torch.testing.assert_close(out.double(), expected, atol=1e-5 * float(expected.abs().max()),
                                rtol=0)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-x", "bf16-x"])
+def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
+                                              x_dtype: torch.dtype) -> None:
+    # Past the C kernel's rows, bf16 weights on a CPU without bf16 arithmetic are widened a
+    # few rows at a time (here 66 rows of 1539 inputs in chunks of 21: the last one of 3) into one
+    # buffer the next call reuses; batched rows (3-d) come back in their own shape.
+    monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 21 * 4 * 1539)
+    monkeypatch.setattr(native, "_scratch", native.threading.local())
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 20, 1539, generator=gen).to(x_dtype)
+    weight = torch.randn(66, 1539, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(66, generator=gen)
+    out = native._linear_widened(x, weight, bias)
+    assert out.dtype == x_dtype and out.shape == (2, 20, 66) and out.is_contiguous()
+    expected = _reference(x.reshape(40, 1539), weight, bias).view(2, 20, 66)
+    tol = (1e-5 if x_dtype == torch.float32 else 8e-3) * float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
+    buffer = native._scratch.buf
+    assert buffer.numel() == 21 * 1539
+    native._linear_widened(x[:1], weight[:30], None)
+    assert native._scratch.buf.data_ptr() == buffer.data_ptr()  # reused, not reallocated
