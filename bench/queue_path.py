@@ -379,7 +379,7 @@ def workers_mode(args: argparse.Namespace) -> int:
     for threads in (None, split):
         proc, thread = best[True, threads], best[False, threads]
         print(f"| {'every core each' if threads is None else f'{threads} threads each'} | "
-              f"{proc:.2f} s | {thread:.2f} s | {proc / thread:.2f} |")
+              f"{proc:.3f} s | {thread:.3f} s | {proc / thread:.2f} |")
     return 0
 
 

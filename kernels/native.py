@@ -205,7 +205,8 @@ def _linear_widened(x: torch.Tensor, weight: torch.Tensor,
     step = max(1, min(n, WIDEN_CHUNK_BYTES // (4 * k)))
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() < step * k:
-        buf = _scratch.buf = torch.empty(step * k, dtype=torch.float32)
+        with torch.inference_mode(False):  # a normal tensor: inside inference mode or not
+            buf = _scratch.buf = torch.empty(step * k, dtype=torch.float32)
     xt = x.reshape(-1, k).float().T
     out_t = torch.empty(n, xt.shape[1], dtype=torch.float32)  # y transposed, filled by rows
     for n0 in range(0, n, step):

@@ -73,3 +73,17 @@ def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
     assert buffer.numel() == 21 * 1539
     native._linear_widened(x[:1], weight[:30], None)
     assert native._scratch.buf.data_ptr() == buffer.data_ptr()  # reused, not reallocated
+
+
+def test_the_buffer_made_in_inference_mode_serves_outside_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An engine's step (inference mode) makes the thread's buffer; a later call outside
+    # inference mode updates it in place.
+    monkeypatch.setattr(native, "_scratch", native.threading.local())
+    weight = torch.randn(30, 64).to(torch.bfloat16)
+    x = torch.randn(12, 64)
+    with torch.inference_mode():
+        inside = native._linear_widened(x, weight, None)
+    outside = native._linear_widened(x, weight, None)
+    assert torch.equal(inside, outside)
+    torch.testing.assert_close(outside, x @ weight.float().T, rtol=1e-5, atol=1e-5)
