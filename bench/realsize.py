@@ -142,10 +142,10 @@ def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> lis
                      if best["llama.cpp"] else "")
             say(f"- {n} requests: kvbatch {best['kvbatch']:.1f} useful tok/s, "
                 f"llama.cpp {best['llama.cpp']:.1f}{ratio} (best of cold and warm)")
-        if "llama.cpp" in per_token:
-            theirs = per_token["llama.cpp"] * 1000
-            say(f"- lone request: llama.cpp {theirs:.1f} ms a token; kvbatch "
-                f"{theirs / ms:.2f}x its speed")
+        if "llama.cpp" in per_token:  # both on peer.py's one prompt, the same way
+            ours, theirs = per_token["kvbatch"] * 1000, per_token["llama.cpp"] * 1000
+            say(f"- lone request, the same prompt: kvbatch {ours:.1f}, llama.cpp {theirs:.1f} "
+                f"ms a token = {theirs / ours:.2f}x its speed")
     if args.transformers_requests:
         ours, theirs = versus_transformers(model_dir, args.transformers_requests, sub)
         say(f"- {args.transformers_requests} requests: kvbatch {ours:.1f} useful "
