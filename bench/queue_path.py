@@ -190,10 +190,11 @@ def scratch_services(redis_url: str, database_url: str) -> Iterator[Services]:
 @contextmanager
 def worker_process(services: Services, args: argparse.Namespace, null: bool,
                    engine_process: bool = True, name: str | None = None,
-                   env: dict[str, str] | None = None) -> Iterator[None]:
+                   env: dict[str, str] | None = None, live: int = 1) -> Iterator[None]:
     """A worker process for the run's services (its engine in a child process unless not
-    ``engine_process``; ``env`` adds settings, ``name`` names its log); returns once a
-    worker is live, stopped after."""
+    ``engine_process``; ``env`` adds settings, ``name`` names its log); returns once
+    ``live`` workers are (this one the last of them), stopped after."""
+    from jobs.queue import live_workers
     from jobs.sdk import Client
 
     env = {**os.environ, "KVBATCH_REDIS_URL": services.redis_url,
@@ -214,7 +215,7 @@ def worker_process(services: Services, args: argparse.Namespace, null: bool,
         with Client(services.redis_url, services.database_url, key_prefix=services.key_prefix,
                     model=MODEL_NAME) as client:
             deadline = time.monotonic() + 300
-            while not client.serves():
+            while len(live_workers(client.jobs.redis, client.jobs.keys)) < live:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the worker did not start; see {log.name}")
                 time.sleep(0.2)
@@ -330,22 +331,6 @@ def engine_mode(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_workers(services: Services, n: int, timeout_s: float = 300) -> None:
-    """Until ``n`` workers' heartbeats are current."""
-    import redis
-
-    from jobs.constants import Keys
-    from jobs.queue import live_workers
-
-    client = redis.Redis.from_url(services.redis_url, decode_responses=True)
-    deadline = time.monotonic() + timeout_s
-    while len(live_workers(client, Keys(services.key_prefix))) < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"fewer than {n} workers came up")
-        time.sleep(0.2)
-    client.close()
-
-
 def workers_mode(args: argparse.Namespace) -> int:
     """``--workers`` workers on this host, the same jobs through them in four ways: the engine
     in a child process or on a thread, each with every core per worker (the default) and with
@@ -367,8 +352,7 @@ def workers_mode(args: argparse.Namespace) -> int:
                     for k in range(args.workers):
                         stack.enter_context(worker_process(
                             services, args, null=False, engine_process=in_child,
-                            name=f"{label}-{k}", env=env))
-                    wait_for_workers(services, args.workers)
+                            name=f"{label}-{k}", env=env, live=k + 1))
                     run_queue(services, warm_rows)
                     seconds, _, _ = run_queue(services, rows)
                 best[in_child, threads] = min(best.get((in_child, threads), seconds), seconds)

@@ -62,12 +62,3 @@ def linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """
     b = None if bias is None else bias.float()
     return F.linear(x.float(), dequantize(q, scale).to(x.device), b).to(x.dtype)
-
-
-def linear_dequantized(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``linear_reference`` with the weight dequantized to ``x``'s dtype and the GEMM in it:
-    the path for many rows (a prefill), where the dequantized copy costs little next to the
-    matmul and torch's GEMM in the model's dtype is the fastest there is."""
-    w = dequantize(q, scale, x.dtype).to(x.device)
-    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

@@ -190,34 +190,52 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-# Bytes of float32 weight rows widened at a time by ``_linear_widened``.
+# Bytes of weight rows made at a time by ``_linear_chunked`` (bf16 widened, int8 dequantized).
 WIDEN_CHUNK_BYTES = 8 << 20
 _scratch = threading.local()
 
 
-def _linear_widened(x: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of bf16 ``weight`` in float32, widened ``WIDEN_CHUNK_BYTES`` of rows at a
-    time into one buffer reused by every call of the thread. Widening a whole real-size
-    matrix into a fresh tensor page-faults its every byte: 43 ms of the 70 a 32-row product
-    by Llama-3.2-1B's 8192x2048 up-projection took on a 2-core AVX2 host (17 ms chunked)."""
-    n, k = weight.shape
-    step = max(1, min(n, WIDEN_CHUNK_BYTES // (4 * k)))
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < step * k:
+def _chunk_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The thread's reused buffer of at least ``numel`` ``dtype`` elements."""
+    buffers: dict[torch.dtype, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
         with torch.inference_mode(False):  # a normal tensor: inside inference mode or not
-            buf = _scratch.buf = torch.empty(step * k, dtype=torch.float32)
-    xt = x.reshape(-1, k).float().T
-    out_t = torch.empty(n, xt.shape[1], dtype=torch.float32)  # y transposed, filled by rows
+            buf = buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf
+
+
+def _linear_chunked(x: torch.Tensor, n: int, dtype: torch.dtype,
+                    weight_rows: Callable[[torch.Tensor, int], object],
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of ``x`` by an ``[n, K]`` weight in ``dtype`` that is never whole in memory:
+    ``weight_rows(chunk, n0)`` writes its rows ``n0 : n0 + len(chunk)`` into ``chunk``,
+    ``WIDEN_CHUNK_BYTES`` at a time, in one buffer reused by every call of the thread.
+
+    Making a whole real-size matrix in a fresh tensor page-faults its every byte: widening
+    Llama-3.2-1B's 8192x2048 bf16 up-projection took 43 ms of the 70 a 32-row product took on
+    a 2-core AVX2 host (17 ms chunked). The result is in ``x``'s dtype.
+    """
+    k = x.shape[-1]
+    step = max(1, min(n, WIDEN_CHUNK_BYTES // (dtype.itemsize * k)))
+    buf = _chunk_buffer(step * k, dtype)
+    xt = x.reshape(-1, k).to(dtype).T
+    out_t = torch.empty(n, xt.shape[1], dtype=dtype)  # y transposed, filled by rows
     for n0 in range(0, n, step):
-        rows = min(step, n - n0)
-        chunk = buf[: rows * k].view(rows, k)
-        chunk.copy_(weight[n0 : n0 + rows])
-        torch.mm(chunk, xt, out=out_t[n0 : n0 + rows])
+        chunk = buf[: min(step, n - n0) * k].view(-1, k)
+        weight_rows(chunk, n0)
+        torch.mm(chunk, xt, out=out_t[n0 : n0 + chunk.shape[0]])
     y = out_t.T
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(dtype)
     return y.to(x.dtype).contiguous().view(*x.shape[:-1], n)
+
+
+def _linear_widened(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of bf16 ``weight`` in float32, widened a chunk of rows at a time."""
+    return _linear_chunked(x, weight.shape[0], torch.float32,
+                           lambda chunk, n0: chunk.copy_(weight[n0 : n0 + chunk.shape[0]]), bias)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor,
@@ -244,7 +262,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 
 
 # Rows up to which ``linear_int8`` runs the C kernel; past them the weight is dequantized to the
-# rows' dtype and torch's GEMM multiplies (a prefill: compute-bound, where the copy is cheap).
+# rows' dtype a chunk at a time and torch's GEMM multiplies (many rows: compute-bound).
 LINEAR_INT8_MAX_ROWS = 8
 
 
@@ -254,15 +272,25 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
     Up to ``LINEAR_INT8_MAX_ROWS`` rows of ``x`` go through the C kernel, which reads the int8
     weight once; more go to torch's GEMM on the weight dequantized to ``x``'s dtype (to float32
-    where it is bf16 and the CPU has no bf16 arithmetic).
+    where it is bf16 and the CPU has no bf16 arithmetic), a chunk of rows at a time
+    (``_linear_chunked``: the whole dequantized matrix is never in memory).
     """
     if x.dim() == 2 and x.shape[0] <= LINEAR_INT8_MAX_ROWS and x.dtype in LINEAR_MAX_ROWS:
         return linear_int8_rows(x, q, scale, bias)
     from kernels import int8
 
-    if x.dtype == torch.bfloat16 and not cpu_has_native_bf16():
-        return int8.linear_dequantized(x.float(), q, scale, bias).to(x.dtype)
-    return int8.linear_dequantized(x, q, scale, bias)
+    group = int8.group_size(q, scale)
+    q, scale = q.contiguous(), scale.contiguous()
+    wide = x.dtype == torch.bfloat16 and not cpu_has_native_bf16()
+
+    def dequantized_rows(chunk: torch.Tensor, n0: int) -> None:
+        # int8.dequantize of these rows: q * scale in float32, rounded to the chunk's dtype
+        rows = chunk.shape[0]
+        torch.mul(q[n0 : n0 + rows].view(rows, -1, group), scale[n0 : n0 + rows, :, None],
+                  out=chunk.view(rows, -1, group))
+
+    return _linear_chunked(x, q.shape[0], torch.float32 if wide else x.dtype, dequantized_rows,
+                           bias)
 
 
 def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,

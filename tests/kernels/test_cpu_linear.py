@@ -69,10 +69,10 @@ def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
     expected = _reference(x.reshape(40, 1539), weight, bias).view(2, 20, 66)
     tol = (1e-5 if x_dtype == torch.float32 else 8e-3) * float(expected.abs().max())
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
-    buffer = native._scratch.buf
+    buffer = native._scratch.buffers[torch.float32]
     assert buffer.numel() == 21 * 1539
     native._linear_widened(x[:1], weight[:30], None)
-    assert native._scratch.buf.data_ptr() == buffer.data_ptr()  # reused, not reallocated
+    assert native._scratch.buffers[torch.float32].data_ptr() == buffer.data_ptr()  # reused
 
 
 def test_the_buffer_made_in_inference_mode_serves_outside_it(

@@ -134,6 +134,30 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
                   dtype, rounding)
 
 
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-gemm", "widened"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
+def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
+        monkeypatch: pytest.MonkeyPatch, native_bf16: bool, dtype: torch.dtype,
+        group: int | None) -> None:
+    # 130 output rows made 24 at a time (the last chunk 10) into one buffer per dtype, reused
+    # by the next call; each chunk's rows take their own scales.
+    chunk_dtype = torch.float32 if dtype == torch.float32 or not native_bf16 else dtype
+    monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 24 * chunk_dtype.itemsize * 576)
+    monkeypatch.setattr(native, "_scratch", native.threading.local())
+    monkeypatch.setattr(native, "cpu_has_native_bf16", lambda: native_bf16)
+    x, q, scale, bias = _case(20, 130, 576, group)
+    x = x.to(dtype).view(2, 10, 576)
+    out = native.linear_int8(x, q, scale, bias)
+    assert out.dtype == dtype and out.shape == (2, 10, 130) and out.is_contiguous()
+    want = int8.linear_reference(x.view(20, 576), q, scale, bias).view(2, 10, 130)
+    _assert_close(out, want, dtype if chunk_dtype == dtype else torch.float32)
+    buffer = native._scratch.buffers[chunk_dtype]
+    assert list(native._scratch.buffers) == [chunk_dtype] and buffer.numel() == 24 * 576
+    native.linear_int8(x[0], q[:50], scale[:50])
+    assert native._scratch.buffers[chunk_dtype].data_ptr() == buffer.data_ptr()
+
+
 def test_a_row_does_not_depend_on_the_others() -> None:
     # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
     x, q, scale, bias = _case(17, 65, 100, None)
