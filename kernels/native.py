@@ -284,10 +284,17 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     wide = x.dtype == torch.bfloat16 and not cpu_has_native_bf16()
 
     def dequantized_rows(chunk: torch.Tensor, n0: int) -> None:
-        # int8.dequantize of these rows: q * scale in float32, rounded to the chunk's dtype
+        # int8.dequantize of these rows: q * scale in float32 (through the thread's float32
+        # buffer where the chunk is narrower: a mul straight into bf16 makes a fresh float32
+        # temporary, 63 ms against 16 for 32 rows by 8192x2048 on an AVX512-BF16 EPYC),
+        # rounded to the chunk's dtype
         rows = chunk.shape[0]
+        wide = chunk if chunk.dtype == torch.float32 else (
+            _chunk_buffer(chunk.numel(), torch.float32)[: chunk.numel()].view_as(chunk))
         torch.mul(q[n0 : n0 + rows].view(rows, -1, group), scale[n0 : n0 + rows, :, None],
-                  out=chunk.view(rows, -1, group))
+                  out=wide.view(rows, -1, group))
+        if wide is not chunk:
+            chunk.copy_(wide)
 
     return _linear_chunked(x, q.shape[0], torch.float32 if wide else x.dtype, dequantized_rows,
                            bias)

@@ -140,8 +140,9 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
 def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
         monkeypatch: pytest.MonkeyPatch, native_bf16: bool, dtype: torch.dtype,
         group: int | None) -> None:
-    # 130 output rows made 24 at a time (the last chunk 10) into one buffer per dtype, reused
-    # by the next call; each chunk's rows take their own scales.
+    # 130 output rows made 24 at a time (the last chunk 10) into one buffer per dtype (a bf16
+    # chunk is dequantized through the float32 one), reused by the next call; each chunk's
+    # rows take their own scales.
     chunk_dtype = torch.float32 if dtype == torch.float32 or not native_bf16 else dtype
     monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 24 * chunk_dtype.itemsize * 576)
     monkeypatch.setattr(native, "_scratch", native.threading.local())
@@ -152,10 +153,11 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
     assert out.dtype == dtype and out.shape == (2, 10, 130) and out.is_contiguous()
     want = int8.linear_reference(x.view(20, 576), q, scale, bias).view(2, 10, 130)
     _assert_close(out, want, dtype if chunk_dtype == dtype else torch.float32)
-    buffer = native._scratch.buffers[chunk_dtype]
-    assert list(native._scratch.buffers) == [chunk_dtype] and buffer.numel() == 24 * 576
+    buffers = {dt: b.data_ptr() for dt, b in native._scratch.buffers.items()}
+    assert set(buffers) == {chunk_dtype, torch.float32}
+    assert native._scratch.buffers[chunk_dtype].numel() == 24 * 576
     native.linear_int8(x[0], q[:50], scale[:50])
-    assert native._scratch.buffers[chunk_dtype].data_ptr() == buffer.data_ptr()
+    assert {dt: b.data_ptr() for dt, b in native._scratch.buffers.items()} == buffers  # reused
 
 
 def test_a_row_does_not_depend_on_the_others() -> None:
