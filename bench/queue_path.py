@@ -18,8 +18,9 @@ Two modes:
 
 * ``workers``: ``--workers`` workers on this host (2 by default) and the same
   ``--jobs`` jobs through them: the engine in its own process against on a thread, each
-  with every core per worker (torch's default) and with the cores split between the
-  workers (``KVBATCH_CPU_THREADS``), alternately ``--repeat`` times, the best of each.
+  with the default threads (the workers split the host's cores themselves:
+  ``worker/cpu_share.py``) and with the split set (``KVBATCH_CPU_THREADS``), alternately
+  ``--repeat`` times, the best of each.
 
 Everything runs against real services (``--redis-url``, ``--database-url``: local Redis and
 PostgreSQL by default), in a PostgreSQL schema and a Redis key prefix of the run's own,
@@ -333,9 +334,9 @@ def engine_mode(args: argparse.Namespace) -> int:
 
 def workers_mode(args: argparse.Namespace) -> int:
     """``--workers`` workers on this host, the same jobs through them in four ways: the engine
-    in a child process or on a thread, each with every core per worker (the default) and with
-    the cores split between the workers (``KVBATCH_CPU_THREADS``), alternately ``--repeat``
-    times; prints the best seconds of each."""
+    in a child process or on a thread, each with the default threads (which the workers
+    split) and with the split set (``KVBATCH_CPU_THREADS``), alternately ``--repeat`` times;
+    prints the best seconds of each."""
     from contextlib import ExitStack
 
     rows = _rows(args.jobs[0])
@@ -362,7 +363,7 @@ def workers_mode(args: argparse.Namespace) -> int:
     print("|---|---|---|---|")
     for threads in (None, split):
         proc, thread = best[True, threads], best[False, threads]
-        print(f"| {'every core each' if threads is None else f'{threads} threads each'} | "
+        print(f"| {'default' if threads is None else f'{threads} threads each'} | "
               f"{proc:.3f} s | {thread:.3f} s | {proc / thread:.2f} |")
     return 0
 

@@ -89,9 +89,9 @@ class EngineConfig:
         "bench/int8.py for speed and quality")
     cpu_threads: int | None = _field(
         None, "threads of the engine's CPU kernels and torch's CPU ops; default: the CPUs this "
-        "process may run on (its affinity: taskset, a container's cpuset). Workers that share "
-        "a host's cores unpinned should split them (e.g. 2 workers on 16 cores: 8 each), or "
-        "each takes every core and their threads contend")
+        "process may run on (its affinity: taskset, a container's cpuset), which a worker "
+        "that may run on every core splits with the other CPU workers of its host (2 workers "
+        "on 16 cores: 8 each; worker/cpu_share.py). Set, it is not split")
     seed: int = _field(0, "seed of the engine's global generator (requests may carry their own)")
     grammar_compile_timeout_s: float = _field(
         30.0, "most seconds one response_format may take to compile (in a process beside the "

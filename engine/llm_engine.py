@@ -28,7 +28,13 @@ from engine.pooler import PoolingConfig
 from engine.pooling_params import PoolingParams
 from engine.processor import Processor
 from engine.prompts import Prompt
-from engine.runtime import RuntimeInfo, resolve_block_size, resolve_device, resolve_dtype
+from engine.runtime import (
+    RuntimeInfo,
+    resolve_block_size,
+    resolve_device,
+    resolve_dtype,
+    shared_host_cpus,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Request, Sequence
@@ -254,6 +260,12 @@ class LLMEngine:
         self._aborted.append(self._output(req, finished=True))
 
     @property
+    def shared_host_cpus(self) -> int:
+        """The host's CPUs where this engine's threads may be split with other workers' on
+        the host, else 0 (``engine.runtime.shared_host_cpus``)."""
+        return shared_host_cpus(self.config, self.info.device)
+
+    @property
     def has_chat_template(self) -> bool:
         """Whether the tokenizer renders chat messages (a job's plain ``prompt`` then becomes
         one user message)."""
@@ -450,6 +462,7 @@ class LLMEngine:
             kv_usage=pool.usage(),
             kv_bytes_per_block=self.info.kv_bytes_per_block,
             num_grammar_compiles=self.structured.num_compiles,
+            cpu_threads=torch.get_num_threads(),
         )
 
 

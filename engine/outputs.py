@@ -105,6 +105,7 @@ class EngineStats(SchedulerCounters):
     kv_usage: float
     kv_bytes_per_block: int
     num_grammar_compiles: int = 0  # response formats compiled (each distinct one once)
+    cpu_threads: int = 0  # threads of its CPU work, as its own thread sees them
 
     @property
     def tokens_per_step(self) -> float:

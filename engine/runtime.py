@@ -3,6 +3,7 @@ values the engine discovers when it loads the model and sizes the KV pool."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,15 @@ def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but torch sees no CUDA device")
     return torch.device(config.device)
+
+
+def shared_host_cpus(config: EngineConfig, device: torch.device) -> int:
+    """The host's CPU count where an engine's threads are free to share that host with other
+    workers' engines (it runs on the CPU, ``cpu_threads`` is unset and nothing pinned the
+    process to fewer CPUs than the host has), else 0: the split is then the operator's."""
+    cpus = os.cpu_count() or 1
+    pinned = len(os.sched_getaffinity(0)) < cpus
+    return cpus if device.type == "cpu" and config.cpu_threads is None and not pinned else 0
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

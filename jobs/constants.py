@@ -64,6 +64,11 @@ class Keys:
         """Hash of worker id -> JSON list of the LoRA adapters it serves, as jobs name them."""
         return f"{self.prefix}:adapters"
 
+    def cpu_hosts(self) -> str:
+        """Hash of worker id -> host name of every worker whose CPU engine shares its host's
+        cores with the others on that host (``worker.cpu_share``)."""
+        return f"{self.prefix}:cpu-hosts"
+
     def cancel(self, job_id: str) -> str:
         """Set when cancellation of a running job is requested."""
         return f"{self.prefix}:cancel:{job_id}"

@@ -294,16 +294,19 @@ class JobQueue:
         pipe.execute()
 
     def heartbeat(self, worker_id: str, lease_ttl_ms: int, window: int = 0,
-                  adapters: Sequence[str] = ()) -> None:
+                  adapters: Sequence[str] = (), cpu_host: str | None = None) -> None:
         """Renew ``worker_id``'s lease on the entries it holds; ``window`` is how many jobs it
         wants kept in the streams for it (see :meth:`window`); ``adapters``: the names of the
-        LoRA adapters it serves (``<model>:<adapter>``, see :func:`live_adapters`)."""
+        LoRA adapters it serves (``<model>:<adapter>``, see :func:`live_adapters`);
+        ``cpu_host``: the host whose cores its engine shares (see :func:`live_cpu_peers`)."""
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(worker_id), self.model, px=lease_ttl_ms)
         pipe.hset(self.keys.workers(), worker_id, self.model)
         pipe.hset(self.keys.feed_windows(self.model), worker_id, window)
         if adapters:
             pipe.hset(self.keys.adapters(), worker_id, json.dumps(list(adapters)))
+        if cpu_host:
+            pipe.hset(self.keys.cpu_hosts(), worker_id, cpu_host)
         pipe.execute()
 
     def drop_heartbeat(self, worker_id: str) -> None:
@@ -492,6 +495,12 @@ def live_adapters(client: redis.Redis, keys: Keys) -> set[str]:
     """The LoRA adapters live workers serve, as jobs name them (``<model>:<adapter>``)."""
     entries = live_entries(client, keys, keys.adapters())
     return {name for names in entries.values() for name in json.loads(names)}
+
+
+def live_cpu_peers(client: redis.Redis, keys: Keys, host: str) -> list[str]:
+    """The live workers whose CPU engines share ``host``'s cores (their heartbeats name
+    it), by worker id."""
+    return sorted(w for w, h in live_entries(client, keys, keys.cpu_hosts()).items() if h == host)
 
 
 def live_entries(client: redis.Redis, keys: Keys, registry: str) -> dict[str, str]:

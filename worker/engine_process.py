@@ -91,6 +91,7 @@ class EngineProcess:
                 self.process.wait()
             raise EngineStartError(f"the engine process could not start: {error}")
         self._has_chat_template = reply.has_chat_template
+        self._host_cpus = reply.host_cpus
         self._reader = threading.Thread(target=self._read, name="engine-events", daemon=True)
         self._writer = threading.Thread(target=self._write, name="engine-commands",
                                         daemon=True)
@@ -99,6 +100,10 @@ class EngineProcess:
     @property
     def has_chat_template(self) -> bool:
         return self._has_chat_template
+
+    @property
+    def host_cpus(self) -> int:
+        return self._host_cpus
 
     def start(self) -> None:
         self._reader.start()
@@ -174,7 +179,7 @@ def child_main(fd: int, parent_pid: int) -> int:
         log.exception("the engine could not be built")
         sock.sendall(frame(StartFailed(f"{type(exc).__name__}: {exc}")))
         return 1
-    sock.sendall(frame(Ready(engine.has_chat_template)))
+    sock.sendall(frame(Ready(engine.has_chat_template, engine.shared_host_cpus)))
     stop, crashed = threading.Event(), threading.Event()
 
     def emit(event: Event) -> None:

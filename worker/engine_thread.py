@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from worker.embed_jobs import EmbedJobs
-from worker.messages import Add, Command, Crashed, Embed, Event, Rejected, Stepped, Stop
+from worker.messages import Add, Command, Crashed, Embed, Event, Rejected, Stepped, Stop, Threads
 
 if TYPE_CHECKING:
     from engine.outputs import EngineStats, RequestOutput
@@ -66,6 +66,12 @@ class EngineRunner(Protocol):
     @property
     def has_chat_template(self) -> bool: ...
 
+    @property
+    def host_cpus(self) -> int:
+        """The host's CPUs where the engine's threads may be split with other workers' on the
+        host (``Threads`` commands), else 0."""
+        ...
+
     def start(self) -> None: ...
 
     def stop(self, timeout_s: float = 10.0) -> None: ...
@@ -97,6 +103,11 @@ def serve(engine: Engine, commands: Callable[[bool], Iterable[Command]],
             for cmd in commands(not engine.has_unfinished_requests()):
                 if isinstance(cmd, Stop):
                     return
+                if isinstance(cmd, Threads):  # here, on the engine's thread: OpenMP's
+                    import torch  # thread count is a setting of the thread that calls it
+
+                    torch.set_num_threads(cmd.count)
+                    continue
                 if isinstance(cmd, Add | Embed):
                     try:
                         if isinstance(cmd, Embed):
@@ -134,6 +145,10 @@ class EngineThread:
     @property
     def has_chat_template(self) -> bool:
         return self._engine.has_chat_template
+
+    @property
+    def host_cpus(self) -> int:
+        return int(getattr(self._engine, "shared_host_cpus", 0))  # 0 for stand-in engines
 
     def start(self) -> None:
         self._thread.start()

@@ -25,11 +25,13 @@ class Heartbeat:
     ``window`` jobs in the stream (``jobs.feed``)."""
 
     def __init__(self, queue: JobQueue, worker_id: str, lease_ttl_s: float,
-                 stall_s: float, window: int, adapters: tuple[str, ...] = ()) -> None:
+                 stall_s: float, window: int, adapters: tuple[str, ...] = (),
+                 cpu_host: str | None = None) -> None:
         self.queue = queue
         self.worker_id = worker_id
         self.window = window
         self.adapters = adapters  # announced with each beat (JobQueue.heartbeat)
+        self.cpu_host = cpu_host  # the host whose cores the engine shares (worker.cpu_share)
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.interval_s = lease_ttl_s / 3
         self.stall_s = stall_s
@@ -38,7 +40,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window, self.adapters)
+        self._beat()
         self._thread.start()
 
     def progress(self) -> None:
@@ -61,7 +63,10 @@ class Heartbeat:
                 continue
             stalled = False
             try:
-                self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window,
-                                     self.adapters)
+                self._beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+
+    def _beat(self) -> None:
+        self.queue.heartbeat(self.worker_id, self.lease_ttl_ms, self.window, self.adapters,
+                             self.cpu_host)

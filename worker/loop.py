@@ -42,12 +42,13 @@ from jobs.limits import JobLimits
 from jobs.queue import Delivery, JobQueue
 from jobs.schemas import JobSpec, JobStatus, Outcome
 from jobs.store import DeliveryStore, FeedStore, MaintenanceStore
+from worker.cpu_share import CpuShare
 from worker.engine_process import EngineProcess
 from worker.engine_thread import Engine, EngineRunner, EngineThread
 from worker.heartbeat import Heartbeat
 from worker.intake import Intake
 from worker.maintenance import UpkeepThread
-from worker.messages import Abort, Add, Crashed, Embed, Rejected, Stepped
+from worker.messages import Abort, Add, Crashed, Embed, Rejected, Stepped, Threads
 from worker.metrics import WorkerMetrics
 from worker.outbox import Outbox
 from worker.outcome import engine_outcome
@@ -127,8 +128,11 @@ class Worker:
         self.redis_backoff = RedisBackoff()
         self.results = ResultWriter(self.deliveries, self.worker_id, self.outbox,
                                     self.redis_backoff, self.metrics, after_commit=after_commit)
+        cpus = self.runner.host_cpus  # 0: its threads are not for the worker to split
+        self.cpu_share = CpuShare(self.redis, self.keys, self.worker_id, cpus) if cpus else None
         self.heartbeat = Heartbeat(self.queue, self.worker_id, s.lease_ttl_s, LOOP_STALL_S,
-                                   s.window, s.served_adapters)
+                                   s.window, s.served_adapters,
+                                   self.cpu_share.host if self.cpu_share else None)
         self.upkeep = UpkeepThread(Feeder(self.queue, FeedStore(self.db)),
                                    MaintenanceStore(self.db), s.reconcile_interval_s,
                                    s.reconcile_grace_s, self.metrics)
@@ -220,6 +224,8 @@ class Worker:
 
     def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
+        if self.cpu_share is not None and (threads := self.cpu_share.update(now)):
+            self.runner.commands.put(Threads(threads))
         if not self.draining:
             idle = not self.held  # the writer stores results on its own thread meanwhile
             if self.intake.pull(now, self.free_capacity(), self.held, idle):

@@ -11,6 +11,8 @@ and runs the engine dataclasses' ``__post_init__`` checks (``SamplingParams``,
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from engine.config import EngineConfig
@@ -53,7 +55,14 @@ class Stop(msgspec.Struct, frozen=True, tag="stop"):
     """Stop serving (after the commands before it)."""
 
 
-Command = Add | Embed | Abort | Stop
+class Threads(msgspec.Struct, frozen=True, tag="threads"):
+    """Run the engine's CPU work on ``count`` threads from its next step (the worker's share
+    of a host's cores, ``worker.cpu_share``)."""
+
+    count: Annotated[int, msgspec.Meta(ge=1)]
+
+
+Command = Add | Embed | Abort | Stop | Threads
 
 # -- from the engine -----------------------------------------------------------------------------
 
@@ -62,6 +71,7 @@ class Ready(msgspec.Struct, frozen=True, tag="ready"):
     """The engine process built its engine."""
 
     has_chat_template: bool
+    host_cpus: int = 0  # the engine's shared_host_cpus: 0 where its threads are not to be split
 
 
 class StartFailed(msgspec.Struct, frozen=True, tag="start_failed"):

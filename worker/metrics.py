@@ -56,6 +56,8 @@ class WorkerMetrics:
             "num_requests_swapped",
             "Requests preempted with their KV swapped to the host pool (swap_space_bytes).")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.cpu_threads = gauge("engine_cpu_threads", "Threads of the engine's CPU work "
+                                 "(its share of the host's cores: worker.cpu_share).")
         self.queue_depth = gauge("queue_depth", "Jobs in the model's stream, not yet delivered.")
         self.queue_backlog = gauge(
             "queue_backlog", "Jobs of the model queued in SQL, not yet fed to its stream.")
@@ -107,6 +109,7 @@ class WorkerMetrics:
         self.waiting.set(stats.num_waiting)
         self.swapped.set(stats.num_swapped)
         self.kv_usage.set(stats.kv_usage)
+        self.cpu_threads.set(stats.cpu_threads)
         for i, (metric, field) in enumerate(self._engine_counters):
             value = int(getattr(stats, field))
             if value > self._last[i]:

@@ -20,13 +20,23 @@ from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from worker.engine_process import EngineProcess, EngineStartError, Frames, frame
-from worker.messages import CODEC, Abort, Add, Crashed, Event, Rejected, Stepped, Stop
+from worker.messages import (
+    CODEC,
+    Abort,
+    Add,
+    Crashed,
+    Event,
+    Rejected,
+    Stepped,
+    Stop,
+    Threads,
+)
 
 STATS = EngineStats(num_running=1, num_waiting=2, num_swapped=1, num_kv_blocks_total=64,
                     num_kv_blocks_free=60, kv_usage=0.0625, kv_bytes_per_block=4096,
                     prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,
                     num_swaps=1, num_prompt_tokens=10, num_generated_tokens=3, num_steps=2,
-                    num_batched_tokens=13, num_grammar_compiles=1)
+                    num_batched_tokens=13, num_grammar_compiles=1, cpu_threads=3)
 
 
 def _wire(message: msgspec.Struct) -> bytes:
@@ -46,7 +56,7 @@ def test_commands_cross_the_wire_equal() -> None:
             "name": "row", "schema": {"type": "object", "properties": {"a": {"type": "integer"}},
                                       "required": ["a"]}}})
     for cmd in (Add("job-1", [{"role": "user", "content": "héllo \u2603"}], params, -3),
-                Add("job-2", "raw text", SamplingParams(), 0), Abort("job-3"), Stop()):
+                Add("job-2", "raw text", SamplingParams(), 0), Abort("job-3"), Stop(), Threads(3)):
         assert CODEC.command(_wire(cmd)) == cmd
     got = CODEC.command(_wire(Add("j", "p", params)))
     assert isinstance(got, Add) and got.params.response_format == params.response_format
@@ -78,6 +88,8 @@ def test_a_message_of_the_wrong_kind_or_shape_is_refused() -> None:
     with pytest.raises(msgspec.ValidationError, match="temperature"):
         CODEC.command(msgspec.msgpack.encode({"type": "add", "job_id": "j", "prompt": "p",
                                               "params": {"temperature": -1.0}}))
+    with pytest.raises(msgspec.ValidationError, match="count"):
+        CODEC.command(msgspec.msgpack.encode({"type": "threads", "count": 0}))
 
 
 def test_frames_split_and_join_across_reads() -> None:
@@ -145,6 +157,29 @@ def test_child_engine_matches_the_engine_in_this_process(tiny_model: str) -> Non
     finally:
         proc.stop()
     assert proc.process.returncode == 0
+
+
+def test_the_child_runs_on_the_threads_it_is_given(tiny_model: str) -> None:
+    # It says whether its threads may be split (on the CPU, cpu_threads unset, not pinned);
+    # a Threads command applies from its next step, which reports it in its stats.
+    unpinned = len(os.sched_getaffinity(0)) == os.cpu_count()
+    proc = EngineProcess(_config(tiny_model))
+    proc.start()
+    try:
+        assert proc.host_cpus == (os.cpu_count() if unpinned else 0)
+        proc.commands.put(Threads(1))
+        proc.commands.put(Add("r", "hello", SamplingParams(max_tokens=3, ignore_eos=True), 0))
+        events = _events_until(proc, lambda evs: any(
+            isinstance(e, Stepped) and e.finished for e in evs))
+        assert events[-1].stats.cpu_threads == 1  # type: ignore[union-attr]
+    finally:
+        proc.stop()
+    pinned = EngineProcess(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=64,
+                                        cpu_threads=1))
+    try:
+        assert pinned.host_cpus == 0  # set by its operator: not the worker's to split
+    finally:
+        pinned.stop()
 
 
 def test_child_that_cannot_load_its_model_fails_the_start(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -53,7 +53,7 @@ def test_null_engine_gives_each_request_its_tokens() -> None:
 
 def test_workers_mode_runs_the_four_ways(tmp_path: Path, tiny_model: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Two tiny-model workers, engine process and thread, every core and cores split: each
+    """Two tiny-model workers, engine process and thread, default threads and cores split: each
     way brings the jobs to terminal rows, and the table gives each its seconds."""
     import os
 
@@ -67,7 +67,7 @@ def test_workers_mode_runs_the_four_ways(tmp_path: Path, tiny_model: str,
     for label in ("process-all", "thread-all", f"process-{split}", f"thread-{split}"):
         assert f"{label}: " in out
         assert (tmp_path / f"worker-{label}-1.log").is_file()  # both workers ran
-    rows = [line for line in out.splitlines() if line.startswith(("| every", f"| {split} thr"))]
+    rows = [line for line in out.splitlines() if line.startswith(("| default", f"| {split} thr"))]
     assert len(rows) == 2
     for row in rows:
         proc, thread, ratio = (cell.strip() for cell in row.strip("|").split("|")[1:])
