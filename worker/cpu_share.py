@@ -44,20 +44,20 @@ class CpuShare:
                  host: str | None = None) -> None:
         self.client, self.keys, self.worker_id, self.cpus = client, keys, worker_id, cpus
         self.host = host or socket.gethostname()
-        self.threads = cpus  # what the engine starts with: every core
+        self.threads = cpus  # its share: every core until others show up
         self._next = 0.0
 
-    def update(self, now: float) -> int | None:
-        """The engine's new thread count when the share changed, else None."""
+    def update(self, now: float, running: int) -> int | None:
+        """The engine's share of the cores where it runs on another count (``running``, from
+        its stats: whatever it started with), else None."""
         if now < self._next:
             return None
         self._next = now + SHARE_INTERVAL_S
         peers = live_cpu_peers(self.client, self.keys, self.host)
         threads = threads_for(self.worker_id, peers, self.cpus)
-        if threads == self.threads:
-            return None
-        log.info("%d workers share the %d cores of %s: %d engine threads (was %d)",
-                 len(set(peers) | {self.worker_id}), self.cpus, self.host, threads,
-                 self.threads)
-        self.threads = threads
-        return threads
+        if threads != self.threads:
+            log.info("%d workers share the %d cores of %s: %d engine threads (was %d)",
+                     len(set(peers) | {self.worker_id}), self.cpus, self.host, threads,
+                     self.threads)
+            self.threads = threads
+        return None if threads == running else threads

@@ -224,7 +224,8 @@ class Worker:
 
     def _pull_pass(self, now: float) -> None:
         self._check_cancels(now)
-        if self.cpu_share is not None and (threads := self.cpu_share.update(now)):
+        if self.cpu_share is not None and self.engine_stats is not None and (
+                threads := self.cpu_share.update(now, self.engine_stats.cpu_threads)):
             self.runner.commands.put(Threads(threads))
         if not self.draining:
             idle = not self.held  # the writer stores results on its own thread meanwhile

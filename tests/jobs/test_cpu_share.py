@@ -54,13 +54,14 @@ def test_the_share_changes_as_workers_join_and_leave(redis_client: redis.Redis,
     q = JobQueue(redis_client, "m", keys)
     share = CpuShare(redis_client, keys, "w1", 8, host="h")
     q.heartbeat("w1", 60_000, cpu_host="h")
-    assert share.update(100.0) is None and share.threads == 8  # alone: every core, as it began
+    assert share.update(100.0, running=8) is None and share.threads == 8  # alone: every core
     q.heartbeat("w2", 60_000, cpu_host="h")
-    assert share.update(100.0 + SHARE_INTERVAL_S / 2) is None  # looked up at most that often
-    assert share.update(100.0 + SHARE_INTERVAL_S) == 4 and share.threads == 4
-    assert share.update(100.0 + 2 * SHARE_INTERVAL_S) is None  # unchanged: nothing to send
+    assert share.update(100.0 + SHARE_INTERVAL_S / 2, 8) is None  # looked up at most so often
+    assert share.update(100.0 + SHARE_INTERVAL_S, 8) == 4 and share.threads == 4
+    assert share.update(100.0 + 2 * SHARE_INTERVAL_S, 4) is None  # the engine has its share
+    assert share.update(100.0 + 3 * SHARE_INTERVAL_S, 8) == 4  # not yet (or not as it began)
     q.drop_heartbeat("w2")
-    assert share.update(100.0 + 3 * SHARE_INTERVAL_S) == 8
+    assert share.update(100.0 + 4 * SHARE_INTERVAL_S, 4) == 8
 
 
 @pytest.mark.skipif(not UNPINNED or (os.cpu_count() or 1) < 2,
@@ -68,7 +69,8 @@ def test_the_share_changes_as_workers_join_and_leave(redis_client: redis.Redis,
 def test_two_workers_on_one_host_split_its_cores(start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
     cpus = os.cpu_count() or 1
     before = torch.get_num_threads()
-    try:
+    torch.set_num_threads(1)  # the engines' threads start on 1 (as an earlier test may leave
+    try:                      # it), not on every core: the share follows what they report
         first, second = start_worker(), start_worker()
         ids = [first.worker.worker_id, second.worker.worker_id]
 
