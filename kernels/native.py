@@ -289,12 +289,12 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         # temporary, 63 ms against 16 for 32 rows by 8192x2048 on an AVX512-BF16 EPYC),
         # rounded to the chunk's dtype
         rows = chunk.shape[0]
-        wide = chunk if chunk.dtype == torch.float32 else (
+        f32 = chunk if chunk.dtype == torch.float32 else (
             _chunk_buffer(chunk.numel(), torch.float32)[: chunk.numel()].view_as(chunk))
         torch.mul(q[n0 : n0 + rows].view(rows, -1, group), scale[n0 : n0 + rows, :, None],
-                  out=wide.view(rows, -1, group))
-        if wide is not chunk:
-            chunk.copy_(wide)
+                  out=f32.view(rows, -1, group))
+        if f32 is not chunk:
+            chunk.copy_(f32)
 
     return _linear_chunked(x, q.shape[0], torch.float32 if wide else x.dtype, dequantized_rows,
                            bias)

@@ -69,8 +69,8 @@ def test_the_share_changes_as_workers_join_and_leave(redis_client: redis.Redis,
 def test_two_workers_on_one_host_split_its_cores(start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
     cpus = os.cpu_count() or 1
     before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the engines' threads start on 1 (as an earlier test may leave
-    try:                      # it), not on every core: the share follows what they report
+    torch.set_num_threads(cpus)  # the engines start on every core, whatever an earlier test
+    try:                         # left (an engine that starts on fewer: the test above)
         first, second = start_worker(), start_worker()
         ids = [first.worker.worker_id, second.worker.worker_id]
 
@@ -84,5 +84,8 @@ def test_two_workers_on_one_host_split_its_cores(start_worker, wait_for) -> None
                      timeout_s=30)
         second.stop(drain=False)  # its heartbeat goes: the first takes every core again
         wait_for(lambda: threads(first) == cpus, timeout_s=30)
+        gauge = first.worker.metrics.registry.get_sample_value(
+            "kvbatch_engine_cpu_threads", {"model_name": "tiny"})
+        assert gauge == cpus
     finally:
         torch.set_num_threads(before)  # MKL's count is process-wide
