@@ -440,15 +440,23 @@ def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
 def test_an_interrupted_command_says_how_to_resume(  # type: ignore[no-untyped-def]
         client: Client, tmp_path: Path, cli_env: dict[str, str]) -> None:
     script = _script(tmp_path, "stopped", 2)  # no worker runs: it waits on its first stage
+    # PYTHONFAULTHANDLER: a driver that does not exit is aborted and prints its threads' stacks
+    # (it hung this way twice in full runs on one machine, never alone)
     driver = subprocess.Popen([sys.executable, "-m", "worker.cli", "pipeline", "run",
                                str(script), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny"],
-                              env=cli_env, stderr=subprocess.PIPE, text=True)
+                              env={**cli_env, "PYTHONFAULTHANDLER": "1"},
+                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not _jobs(client, "stopped").get("questions"):
         assert driver.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     driver.send_signal(signal.SIGINT)
-    _, err = driver.communicate(timeout=30)
+    try:
+        _, err = driver.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        driver.send_signal(signal.SIGABRT)
+        _, err = driver.communicate(timeout=30)
+        pytest.fail(f"the driver did not exit within 30 s of SIGINT; its stderr:\n{err}")
     assert driver.returncode == 130, err
     assert err.splitlines()[-1] == ("interrupted: the jobs keep running; run the same command "
                                     "again to resume")
