@@ -261,21 +261,39 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-# Rows up to which ``linear_int8`` runs the C kernel; past them the weight is dequantized to the
-# rows' dtype a chunk at a time and torch's GEMM multiplies (many rows: compute-bound).
+# Rows up to which ``linear_int8`` runs the C kernel (see ``linear_int8_max_rows``); past them
+# the weight is dequantized to the rows' dtype a chunk at a time and torch's GEMM multiplies
+# (many rows: compute-bound). Measured on a 2-core AVX512-BF16/VNNI EPYC (2026-12-04, bf16
+# rows, bench/RESULTS.md): with per-channel scales the VNNI path won up to 64 rows on every
+# shape (8192x2048: 7.0 against 18.0 ms at 64, 13.8 against 27.5 at 128; SmolLM2's 1536x576:
+# 0.54 against 0.58 at 64, 1.11 against 0.88 at 128). With groups of 32, or on the portable
+# path, the kernel lost at 32 rows on SmolLM2's shapes (0.56 against 0.39 ms).
 LINEAR_INT8_MAX_ROWS = 8
+LINEAR_INT8_MAX_ROWS_VNNI = 64
+
+
+@cache
+def linear_int8_max_rows(per_channel: bool) -> int:
+    """The most rows ``linear_int8`` runs in the C kernel for weights with one scale per output
+    channel (``per_channel``) or per group of inputs: ``LINEAR_INT8_MAX_ROWS_VNNI`` where
+    per-channel weights take the kernel's VNNI path (asked of the built library, as
+    ``linear_max_rows`` does), else ``LINEAR_INT8_MAX_ROWS``."""
+    if per_channel and library("cpu_int8").linear_int8_has_vnni():
+        return LINEAR_INT8_MAX_ROWS_VNNI
+    return LINEAR_INT8_MAX_ROWS
 
 
 def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.int8.linear_reference(x, q, scale, bias)`` on the CPU, in ``x``'s dtype.
 
-    Up to ``LINEAR_INT8_MAX_ROWS`` rows of ``x`` go through the C kernel, which reads the int8
+    Up to ``linear_int8_max_rows`` rows of ``x`` go through the C kernel, which reads the int8
     weight once; more go to torch's GEMM on the weight dequantized to ``x``'s dtype (to float32
     where it is bf16 and the CPU has no bf16 arithmetic), a chunk of rows at a time
     (``_linear_chunked``: the whole dequantized matrix is never in memory).
     """
-    if x.dim() == 2 and x.shape[0] <= LINEAR_INT8_MAX_ROWS and x.dtype in LINEAR_MAX_ROWS:
+    if x.dim() == 2 and x.shape[0] <= linear_int8_max_rows(scale.shape[-1] == 1) and (
+            x.dtype in LINEAR_MAX_ROWS):
         return linear_int8_rows(x, q, scale, bias)
     from kernels import int8
 
@@ -536,7 +554,6 @@ class DecodeLayers:
         if dtype not in LINEAR_MAX_ROWS:
             raise TypeError(f"no CPU decode-step kernel for {dtype} weights")
         quantized = layers[0].scales is not None
-        self.max_rows = LINEAR_INT8_MAX_ROWS if quantized else linear_max_rows(dtype)
         self.dtype = dtype
         self.group = 0  # the int8 projections' inputs per scale; 0: one scale per channel
         if quantized:
@@ -550,6 +567,8 @@ class DecodeLayers:
                 raise ValueError("DecodeLayers needs every layer's projections int8 with one "
                                  f"group size, or none (got group sizes {sorted(groups)})")
             self.group = groups.pop()
+        self.max_rows = (linear_int8_max_rows(self.group == 0) if quantized
+                         else linear_max_rows(dtype))
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
         self.eps, self.scale = eps, scale

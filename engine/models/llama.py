@@ -330,10 +330,10 @@ class LlamaForCausalLM(nn.Module):
         linear takes, as many rows as it takes."""
         if not self.fused or self.layers[0].self_attn.q_norm is not None:
             return 0
-        weight = self.layers[0].self_attn.qkv_proj.weight
-        if weight.dtype == torch.int8:
-            return native.LINEAR_INT8_MAX_ROWS
-        return native.linear_max_rows(weight.dtype)
+        qkv = self.layers[0].self_attn.qkv_proj
+        if qkv.weight_scale is not None:
+            return native.linear_int8_max_rows(qkv.weight_scale.shape[1] == 1)
+        return native.linear_max_rows(qkv.weight.dtype)
 
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers run as one C call: decodes only, without a cascade

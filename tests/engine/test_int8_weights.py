@@ -48,7 +48,8 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
 @pytest.mark.parametrize(("name", "dtype", "group", "num_prompts"), [
     ("qwen2-bias", "float32", None, 3),  # the qkv bias
     ("llama-gqa8-tied", "bfloat16", None, 1),  # a lone request
-    ("llama-mha", "bfloat16", 32, native.LINEAR_INT8_MAX_ROWS),  # Q8_0's groups, most rows
+    ("llama-mha", "bfloat16", 32, native.linear_int8_max_rows(False)),  # Q8_0's groups, most rows
+    ("llama-mha", "float32", None, native.linear_int8_max_rows(True)),  # per channel, most rows
 ])
 def test_one_call_decode_matches_layer_by_layer(tiny_models: dict[str, Path], name: str,
                                                 dtype: str, group: int | None,
@@ -74,7 +75,7 @@ def test_one_call_decode_matches_layer_by_layer(tiny_models: dict[str, Path], na
             return taken
 
         model._in_one_call = counted  # type: ignore[method-assign]
-        outs[one_call] = engine.generate((PROMPTS * 2)[:num_prompts], GREEDY)
+        outs[one_call] = engine.generate((PROMPTS * 13)[:num_prompts], GREEDY)
     assert calls[True] >= GREEDY.max_tokens - 1 and calls[False] == 0
     for a, b in zip(outs[True], outs[False], strict=True):
         assert a.token_ids == b.token_ids
@@ -256,7 +257,7 @@ def test_a_gguf_file_as_the_model_runs_as_its_converted_directory() -> None:
 
 def test_batch_invariant_int8_tokens_do_not_depend_on_the_batch(tiny_model: Path) -> None:
     # kernels.batch_invariant swaps the int8 linear too (the C kernel for every row count):
-    # otherwise prefill rows past LINEAR_INT8_MAX_ROWS would take the dequantize + GEMM path.
+    # otherwise prefill rows past linear_int8_max_rows would take the dequantize + GEMM path.
     engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="bfloat16", quantization="int8",
                                     batch_invariant=True, max_num_batched_tokens=64))
     prompts = [[(7 * i + j) % 200 + 1 for j in range(5 + 3 * i)] for i in range(12)]

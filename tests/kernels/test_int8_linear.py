@@ -122,16 +122,31 @@ def test_vnni_path_is_closer_than_the_weights_rounding() -> None:
     assert got_error <= ref_error * 1.01
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 40])  # past LINEAR_INT8_MAX_ROWS: dequantize + GEMM
+# past linear_int8_max_rows (8, or 64 per channel on VNNI): dequantize + GEMM
+@pytest.mark.parametrize("rows", [1, 8, 9, 40, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
-                                            group: int | None) -> None:
+                                            group: int | None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     x, q, scale, bias = _case(rows, 130, 576, group)
     x = x.to(dtype)
-    rounding = _vnni_rounding(x, q, scale, False) if rows <= native.LINEAR_INT8_MAX_ROWS else None
+    in_kernel = rows <= native.linear_int8_max_rows(group is None)
+    kernel_rows: list[int] = []
+    rows_kernel = native.linear_int8_rows
+    monkeypatch.setattr(native, "linear_int8_rows", lambda x, *a, **kw: (
+        kernel_rows.append(x.shape[0]), rows_kernel(x, *a, **kw))[1])
+    rounding = _vnni_rounding(x, q, scale, False) if in_kernel else None
     _assert_close(native.linear_int8(x, q, scale, bias), int8.linear_reference(x, q, scale, bias),
                   dtype, rounding)
+    assert kernel_rows == ([rows] if in_kernel else [])
+
+
+def test_per_channel_weights_take_the_kernel_further_on_vnni() -> None:
+    # The VNNI path beats dequantize + GEMM to 64 rows (bench/RESULTS.md); other paths to 8.
+    vnni = bool(native.library("cpu_int8").linear_int8_has_vnni())
+    assert native.linear_int8_max_rows(True) == (64 if vnni else 8)
+    assert native.linear_int8_max_rows(False) == 8
 
 
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-gemm", "widened"])
