@@ -26,21 +26,45 @@ def group_size(q: torch.Tensor, scale: torch.Tensor) -> int:
     return k // scale.shape[1]
 
 
-def quantize(weight: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+# Float32 bytes of weight rows ``quantize`` works on at a time: its temporaries (the rows
+# widened, their magnitudes, the quotient) stay this size whatever the weight's.
+QUANTIZE_CHUNK_BYTES = 16 << 20
+
+
+def quantize(weight: torch.Tensor, group: int | None = None,
+             out: tuple[torch.Tensor, torch.Tensor] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ([N, K], any float dtype) as int8 with a scale per ``group`` inputs (``None``:
     per output channel): each group's largest magnitude maps to 127, values round to nearest.
 
-    Returns ``(q [N, K] int8, scale [N, K / group] float32)``; an all-zero group has scale 0.
+    Returns ``(q [N, K] int8, scale [N, K / group] float32)``, written into ``out`` when it is
+    given (a loader quantizes straight into the model's parameters); an all-zero group has
+    scale 0. Rows are quantized ``QUANTIZE_CHUNK_BYTES`` at a time, so a real-size embedding
+    table (Llama 3's 128256 x 2048) never has a float32 copy: whole, its temporaries took
+    about 3 GB.
     """
     n, k = weight.shape
     group = k if group is None else group
     if group < 1 or k % group:
         raise ValueError(f"group size {group} does not divide {k} inputs")
-    w = weight.float().reshape(n, k // group, group)
-    scale = w.abs().amax(dim=-1) / QMAX  # [N, K / G]
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / safe[..., None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q.reshape(n, k), scale.contiguous()
+    if out is None:
+        out = (torch.empty(n, k, dtype=torch.int8, device=weight.device),
+               torch.empty(n, k // group, dtype=torch.float32, device=weight.device))
+    q, scale = out
+    if q.shape != (n, k) or q.dtype != torch.int8 or scale.shape != (n, k // group) or (
+            scale.dtype != torch.float32):
+        raise ValueError(f"quantize's out is not int8 [{n}, {k}] with float32 "
+                         f"[{n}, {k // group}] scales")
+    step = max(1, QUANTIZE_CHUNK_BYTES // (4 * k))
+    for n0 in range(0, n, step):
+        w = weight[n0 : n0 + step].float().reshape(-1, k // group, group)
+        s = w.abs().amax(dim=-1) / QMAX  # [rows, K / G]
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        # whole numbers in [-127, 127] by now: the copy into int8 is exact
+        q[n0 : n0 + step].copy_(torch.round(w / safe[..., None]).clamp_(-QMAX, QMAX)
+                                .reshape(-1, k))
+        scale[n0 : n0 + step].copy_(s)
+    return q, scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32

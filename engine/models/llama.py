@@ -425,9 +425,8 @@ class LlamaForCausalLM(nn.Module):
             return {name}
         scale_name = name.removesuffix("weight") + "weight_scale"
         scale = params[scale_name]
-        q, s = int8.quantize(tensor, param.shape[1] // scale.shape[1])
-        param.data[rows].copy_(q)
-        scale.data[rows].copy_(s)
+        int8.quantize(tensor, param.shape[1] // scale.shape[1],
+                      out=(param.data[rows], scale.data[rows]))
         return {name, scale_name}
 
     def _shard_sizes(self, target: str, total: int) -> list[int]:

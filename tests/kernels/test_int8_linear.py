@@ -77,6 +77,30 @@ def test_a_zero_group_quantizes_to_zero() -> None:
     assert torch.equal(int8.dequantize(q, scale)[1, 32:], torch.zeros(32))
 
 
+@pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quantizing_a_chunk_of_rows_at_a_time_gives_the_whole_result(
+        monkeypatch: pytest.MonkeyPatch, group: int | None, dtype: torch.dtype) -> None:
+    # 23 rows 4 at a time (the last chunk 3), the rows' own scales each, into the caller's
+    # tensors; the weight itself is left as it was.
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(23, 64, generator=gen) * torch.rand(23, 1, generator=gen)).to(dtype)
+    weight[5] = 0  # an all-zero row inside a chunk
+    original = weight.clone()
+    g = 64 if group is None else group
+    w = weight.float().reshape(23, -1, g)
+    want_scale = w.abs().amax(-1) / int8.QMAX
+    want_q = torch.round(w / torch.where(want_scale > 0, want_scale, 1)[..., None]).reshape(23, 64)
+    monkeypatch.setattr(int8, "QUANTIZE_CHUNK_BYTES", 4 * 4 * 64)
+    out = (torch.full((23, 64), 99, dtype=torch.int8), torch.full((23, 64 // g), -1.0))
+    q, scale = int8.quantize(weight, group, out=out)
+    assert q is out[0] and scale is out[1]
+    assert torch.equal(scale, want_scale) and torch.equal(q, want_q.to(torch.int8))
+    assert torch.equal(weight, original)
+    with pytest.raises(ValueError, match="quantize's out"):
+        int8.quantize(weight, group, out=(q[:, :32], scale))
+
+
 def test_scales_that_do_not_divide_k_are_refused() -> None:
     with pytest.raises(ValueError, match="does not divide"):
         int8.quantize(torch.randn(4, 100), 32)
