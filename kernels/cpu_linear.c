@@ -75,7 +75,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
     for (int64_t k = 0; k < kv; k += step) {
-        for (int r = 0; r < R; r++)
+        for (int r = 0; r < R && R > 1; r++) /* a lone row is one stream: see rows_block */
             __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
 #if HAS_BF16_DOT
         if (kind == BF16_DOT) {
@@ -126,10 +126,20 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
 
 /* Rows n0 .. n0 + R of y for x rows m .. M: XROWS x rows at a time (WIDE_XROWS for many)
  * while the R weight rows are in L1 (after the first tile they come from there, not from
- * memory). */
+ * memory). A lone x row takes the R weight rows one at a time instead, without software
+ * prefetch, so that a thread reads its run of rows as one sequential stream: on a 2-core
+ * AVX512-BF16 EPYC, A/B in one process over Llama-3.2-1B's matrices, bf16 weights through the
+ * dot product went from 34.8 to 45.7 GB/s (float32 weights and widened bf16: no change). Two
+ * x rows gained nothing that way. Each output's order of reduction is the tile's whatever R,
+ * so the results are the same bit for bit. */
 INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, const void *w,
                        const float *bias, void *y, int y_bf16, int64_t m, int64_t M, int64_t N,
                        int64_t K, int64_t n0, const int R, const int kind) {
+    if (M - m == 1) { /* a lone x row: one weight row after another */
+        for (int r = 0; r < R; r++)
+            tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0 + r, 1, 1, kind);
+        return;
+    }
     if (M - m >= WIDE_FROM)
         for (; m + WIDE_XROWS <= M; m += WIDE_XROWS)
             tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, WIDE_XROWS, R, kind);
