@@ -81,7 +81,8 @@ class LLMEngine:
             hf_config, backend, max_model_len, device, dtype, config.quantization,
             **({"int8_group": loader.gguf_int8_group(gguf)} if gguf and int8 else {}))
         model.load_weights(loader.iter_gguf(gguf, hf_config, int8) if gguf  # a tensor at a time
-                           else loader.iter_safetensors(model_dir))  # a shard at a time
+                           else loader.iter_safetensors(  # a shard at a time, each tensor
+                               model_dir, into=model.weight_destination))  # in its place
         model.eval()
         self.lora = LoRAManager(parse_lora_flags(config.lora), model,
                                 config.lora_memory_bytes) if config.lora else None

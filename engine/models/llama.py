@@ -38,6 +38,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # channel). GGUF Q8_0 tensors bring their own (32). bench/int8.py measured per-channel against
 # SmolLM2 in bf16: see bench/RESULTS.md.
 INT8_GROUP_SIZE: int | None = None
+# HF name part -> (our param part, shard index): q/k/v and gate/up are stacked row-wise.
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class RMSNorm(nn.Module):
@@ -366,43 +374,62 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)
         return self.linear(hidden, self.embed_tokens.weight, None)
 
+    def _weight_params(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint fills: the parameters and the int8 scales."""
+        params: dict[str, torch.Tensor] = dict(self.named_parameters())
+        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".weight_scale"))
+        return params
+
+    def _target(self, hf_name: str, params: dict[str, torch.Tensor]
+                ) -> tuple[str, slice] | None:
+        """The parameter and its rows a checkpoint tensor fills (None: not loaded)."""
+        name = hf_name.removeprefix("model.")
+        if (name == "lm_head.weight" and self.tie_word_embeddings) or "rotary_emb" in name:
+            return None
+        for part, (target, shard) in STACKED.items():
+            if f".{part}." in name:
+                name = name.replace(part, target)
+                sizes = self._shard_sizes(target, params[name].shape[0])
+                offset = sum(sizes[:shard])
+                return name, slice(offset, offset + sizes[shard])
+        if name not in params:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        return name, slice(None)
+
+    def weight_destination(self, hf_name: str, shape: tuple[int, ...], dtype: torch.dtype
+                           ) -> torch.Tensor | None:
+        """Where a checkpoint tensor of ``shape`` and ``dtype`` can be read as it is: its
+        parameter's rows in host memory, when they are contiguous and of that dtype and shape
+        (``loader.read_safetensors``' ``into``). None where it needs a conversion (another
+        dtype, int8 quantization), lives on a device, or is not loaded."""
+        params = self._weight_params()
+        target = self._target(hf_name, params)
+        if target is None:
+            return None
+        name, rows = target
+        dest = params[name].data[rows]
+        if (dest.device.type != "cpu" or dest.dtype != dtype or tuple(dest.shape) != shape
+                or not dest.is_contiguous()):
+            return None
+        return dest
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face tensors (``model.layers.N.self_attn.q_proj.weight``, ...).
 
         Into an int8 projection (``empty(quantization="int8")``), a float tensor is quantized
         as it is copied (its rows' scales with it: scales are per row, so the fused q/k/v and
         gate/up parts quantize apart as they would together); an int8 tensor is copied as it is
-        and its scales come as ``<name>.weight_scale`` (GGUF Q8_0, ``loader.iter_gguf``).
+        and its scales come as ``<name>.weight_scale`` (GGUF Q8_0, ``loader.iter_gguf``). A
+        tensor already read into its place (:meth:`weight_destination`) is not copied again.
         """
         self._decode_layers = None  # holds the weights' addresses
-        params: dict[str, torch.Tensor] = dict(self.named_parameters())
-        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".weight_scale"))
-        stacked = {  # HF name part -> (our param part, shard index)
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
+        params = self._weight_params()
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            target = self._target(hf_name, params)
+            if target is None:
                 continue
-            if "rotary_emb" in name:
-                continue
-            for part, (target, shard) in stacked.items():
-                if f".{part}." in name:
-                    name = name.replace(part, target)
-                    param = params[name]
-                    sizes = self._shard_sizes(target, param.shape[0])
-                    offset = sum(sizes[:shard])
-                    rows = slice(offset, offset + sizes[shard])
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-                rows = slice(None)
+            name, rows = target
             loaded |= self._copy_weight(params, name, rows, tensor)
             if name == "embed_tokens.weight" and self.tie_word_embeddings and (
                     self.lm_head is not None):  # int8: the table's quantized copy
@@ -421,7 +448,9 @@ class LlamaForCausalLM(nn.Module):
             if tensor.dtype == torch.int8 and param.dtype != torch.int8:
                 raise ValueError(f"{name} is int8 in the checkpoint: load it with "
                                  "quantization='int8'")
-            param.data[rows].copy_(tensor)
+            dest = param.data[rows]
+            if dest.data_ptr() != tensor.data_ptr() or dest.shape != tensor.shape:
+                dest.copy_(tensor)  # else read into its place by the loader
             return {name}
         scale_name = name.removesuffix("weight") + "weight_scale"
         scale = params[scale_name]

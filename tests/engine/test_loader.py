@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,43 @@ def test_the_model_is_built_empty_in_its_dtype_then_filled(
                                rtol=0, atol=0)
 
 
+def test_a_checkpoint_in_the_models_dtype_is_read_into_its_parameters(
+    tiny_models: dict[str, Path]
+) -> None:
+    # Nothing is copied after reading: each tensor is read where the model keeps it (q/k/v and
+    # gate/up into their rows of the stacked weights), so no tensor of its own is made, not
+    # even for the largest (a real-size embedding table). Values as a copying load gives.
+    model_dir = tiny_models["qwen3-sharded"]
+    config = loader.load_config(model_dir)
+
+    def empty(dtype: torch.dtype) -> LlamaForCausalLM:
+        return LlamaForCausalLM.empty(config, get_ops("torch"), 64, torch.device("cpu"), dtype)
+
+    model, copied = empty(torch.float32), empty(torch.float32)  # the checkpoint's dtype
+    params = [*model.parameters()]
+    read: list[tuple[str, torch.Tensor]] = []
+
+    def recorded() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in loader.iter_safetensors(model_dir, into=model.weight_destination):
+            read.append((name, tensor))
+            yield name, tensor
+
+    model.load_weights(recorded())
+    copied.load_weights(loader.iter_safetensors(model_dir))
+    assert len(read) > len(params)  # q/k/v and gate/up are each several tensors
+    for name, tensor in read:
+        assert any(p.data_ptr() <= tensor.data_ptr() < p.data_ptr() + p.nbytes
+                   for p in params), f"{name} was read into a tensor of its own"
+    for (name, got), want in zip(model.named_parameters(), copied.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    qkv = model.layers[0].self_attn.qkv_proj.weight  # k_proj's rows: after q's
+    k_proj = dict(read)["model.layers.0.self_attn.k_proj.weight"]
+    assert k_proj.data_ptr() == qkv[config.num_attention_heads * model.head_dim:].data_ptr()
+    # Another dtype needs a conversion: no place to read into, the loader makes the tensor.
+    assert empty(torch.bfloat16).weight_destination(
+        "model.embed_tokens.weight", tuple(model.embed_tokens.weight.shape), torch.float32) is None
+
+
 def test_tensors_read_as_safetensors_reads_them_and_a_truncated_file_is_refused(
     tmp_path: Path
 ) -> None:
@@ -110,6 +148,14 @@ def test_tensors_read_as_safetensors_reads_them_and_a_truncated_file_is_refused(
     assert ours.keys() == theirs.keys() == tensors.keys()
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
+    # read into tensors it is given: the same values, in them; not into a strided view
+    given = torch.empty(3, 5, dtype=torch.bfloat16)
+    into = dict(loader.read_safetensors(
+        file, lambda name, shape, dtype: given if name == "bf16" else None))
+    assert into["bf16"] is given and torch.equal(given, theirs["bf16"])
+    with pytest.raises(ValueError, match="no contiguous"):
+        list(loader.read_safetensors(
+            file, lambda name, shape, dtype: given.T.contiguous().T if name == "bf16" else None))
     file.write_bytes(file.read_bytes()[:-10])
     with pytest.raises(ValueError, match="does not fit its offsets"):
         list(loader.read_safetensors(file))
