@@ -178,6 +178,17 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
+/* Output (m, n): the float lanes of its int32 sums, plus the last K % 32 inputs, scaled. */
+INLINE void store_vnni(__m512 total, const int16_t *xq, const float *xs, const int8_t *q,
+                       const float *scale, const float *bias, void *y, int y_bf16, int64_t N,
+                       int64_t K, int64_t Kp, int64_t m, int64_t n) {
+    int64_t tail = 0;
+    for (int64_t k = K - K % 32; k < K; k++)
+        tail += (int64_t)xq[m * Kp + k] * q[n * K + k];
+    const float s = (_mm512_reduce_add_ps(total) + (float)tail) * xs[m] * scale[n];
+    store_out(y, y_bf16, m * N + n, s, bias, n);
+}
+
 INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                       const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
                       int64_t Kp, int64_t m0, int64_t n0, const int P, const int R) {
@@ -212,20 +223,54 @@ INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const
                 total[p][r] = _mm512_add_ps(total[p][r], _mm512_cvtepi32_ps(acc[p][r]));
     }
     for (int p = 0; p < P; p++)
-        for (int r = 0; r < R; r++) {
-            int64_t tail = 0; /* the last K % 32 inputs */
-            for (int64_t k = kv; k < K; k++)
-                tail += (int64_t)xq[(m0 + p) * Kp + k] * q[(n0 + r) * K + k];
-            float s = (_mm512_reduce_add_ps(total[p][r]) + (float)tail) * xs[m0 + p] *
-                      scale[n0 + r];
-            store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
+        for (int r = 0; r < R; r++)
+            store_vnni(total[p][r], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m0 + p, n0 + r);
+}
+
+/* One x row by weight rows n0 .. n0 + R a row at a time, as cpu_linear.c reads for a lone
+ * row (one sequential stream a thread, no software prefetch), with VNNI_ACC int32
+ * accumulators for consecutive steps (one would wait on vpdpwssd's latency). Integer sums are
+ * exact: the same result as tile_vnni's, bit for bit. */
+#define VNNI_ACC 4
+INLINE void row_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
+                     const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t Kp,
+                     int64_t m, int64_t n0, const int R) {
+    const int64_t kv = K - K % 32;
+    const int16_t *xr = xq + m * Kp;
+    for (int r = 0; r < R; r++) {
+        const int8_t *qr = q + (n0 + r) * K;
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
+            const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
+            __m512i acc[VNNI_ACC];
+            for (int a = 0; a < VNNI_ACC; a++)
+                acc[a] = _mm512_setzero_si512();
+            int64_t k = c0;
+            for (; k + VNNI_ACC * 32 <= c1; k += VNNI_ACC * 32)
+                for (int a = 0; a < VNNI_ACC; a++)
+                    acc[a] = _mm512_dpwssd_epi32(
+                        acc[a], _mm512_loadu_si512(xr + k + 32 * a),
+                        _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k + 32 * a))));
+            for (; k < c1; k += 32)
+                acc[0] = _mm512_dpwssd_epi32(
+                    acc[0], _mm512_loadu_si512(xr + k),
+                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k))));
+            for (int a = 1; a < VNNI_ACC; a++)
+                acc[0] = _mm512_add_epi32(acc[0], acc[a]);
+            total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc[0]));
         }
+        store_vnni(total, xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0 + r);
+    }
 }
 
 INLINE void rows_block_vnni(const int16_t *xq, const float *xs, const int8_t *q,
                             const float *scale, const float *bias, void *y, int y_bf16,
                             int64_t m, int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t n0,
                             const int R) {
+    if (M - m == 1) {
+        row_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R);
+        return;
+    }
     for (; m + XROWS <= M; m += XROWS)
         tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R);
     switch (M - m) {

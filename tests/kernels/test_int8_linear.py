@@ -199,9 +199,12 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
     assert {dt: b.data_ptr() for dt, b in native._scratch.buffers.items()} == buffers  # reused
 
 
-def test_a_row_does_not_depend_on_the_others() -> None:
+# K: steps of 32 and a tail; past a 4-step unroll, leftover steps, one K_CHUNK flush, a tail
+@pytest.mark.parametrize(("k", "group"), [(100, None), (8293, None), (8288, 32)])
+def test_a_row_does_not_depend_on_the_others(k: int, group: int | None) -> None:
     # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
-    x, q, scale, bias = _case(17, 65, 100, None)
+    # A lone row takes its own loop on the VNNI path (row_vnni): the same bits.
+    x, q, scale, bias = _case(17, 65, k, group)
     alone = torch.cat([native.linear_int8_rows(x[i : i + 1], q, scale, bias) for i in range(17)])
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias), alone)
 
