@@ -440,12 +440,16 @@ def test_a_bad_stage_is_refused_when_it_is_defined() -> None:
 def test_an_interrupted_command_says_how_to_resume(  # type: ignore[no-untyped-def]
         client: Client, tmp_path: Path, cli_env: dict[str, str]) -> None:
     script = _script(tmp_path, "stopped", 2)  # no worker runs: it waits on its first stage
-    # PYTHONFAULTHANDLER: a driver that does not exit is aborted and prints its threads' stacks
-    # (it hung this way twice in full runs on one machine, never alone)
+    # The driver starts with SIGINT at its default, as a command in a terminal's foreground
+    # does: a run launched in the background (`cmd &` in a script) inherits SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt for it, so the driver never stopped (its
+    # stacks showed the main thread waiting in Client._drive). PYTHONFAULTHANDLER: a driver
+    # that does not exit is aborted and prints its threads' stacks.
     driver = subprocess.Popen([sys.executable, "-m", "worker.cli", "pipeline", "run",
                                str(script), "-o", str(tmp_path / "o.jsonl"), "--model", "tiny"],
                               env={**cli_env, "PYTHONFAULTHANDLER": "1"},
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not _jobs(client, "stopped").get("questions"):
         assert driver.poll() is None and time.monotonic() < deadline
