@@ -127,9 +127,13 @@ def test_a_checkpoint_in_the_models_dtype_is_read_into_its_parameters(
     qkv = model.layers[0].self_attn.qkv_proj.weight  # k_proj's rows: after q's
     k_proj = dict(read)["model.layers.0.self_attn.k_proj.weight"]
     assert k_proj.data_ptr() == qkv[config.num_attention_heads * model.head_dim:].data_ptr()
-    # Another dtype needs a conversion: no place to read into, the loader makes the tensor.
-    assert empty(torch.bfloat16).weight_destination(
-        "model.embed_tokens.weight", tuple(model.embed_tokens.weight.shape), torch.float32) is None
+    # Another dtype needs a conversion, and a device's memory is not the host's: no place to
+    # read into, the loader makes the tensor.
+    table = ("model.embed_tokens.weight", tuple(model.embed_tokens.weight.shape), torch.float32)
+    assert empty(torch.bfloat16).weight_destination(*table) is None
+    on_device = LlamaForCausalLM.empty(config, get_ops("torch"), 64, torch.device("meta"),
+                                       torch.float32)
+    assert on_device.weight_destination(*table) is None
 
 
 def test_tensors_read_as_safetensors_reads_them_and_a_truncated_file_is_refused(
