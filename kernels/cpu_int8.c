@@ -14,9 +14,10 @@
  *
  * Three paths, chosen at build time (where the compiler targets the instructions) and forced
  * to the portable one at run time by `portable` (the tests run each on one host):
- * - AVX512-VNNI, per-channel scales only: x rows as int16 fixed point, 32 weights a load
- *   sign-extended to int16, vpdpwssd (see linear_vnni below: 4x fewer instructions a weight).
- * - AVX-512 (groups of scales): 16 int8 weights a load, sign-extended (vpmovsxbd) and
+ * - AVX512-VNNI, per-channel scales and groups of 32: x rows as int16 fixed point, 32 weights
+ *   a load sign-extended to int16, vpdpwssd (see linear_vnni below: 4x fewer instructions a
+ *   weight per channel, 2x for groups of 32).
+ * - AVX-512 (other groups): 16 int8 weights a load, sign-extended (vpmovsxbd) and
  *   converted (vcvtdq2ps) to float32, one FMA per x row.
  * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up).
  * The float paths multiply exact values, so only the weights' rounding separates them from the
@@ -174,116 +175,199 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
  * speed). The lanes hold at most 256 steps (K_CHUNK inputs: 256 * 2 * X16_MAX * 127 < 2^31)
  * before they are added, as floats, to the row's total. x's rounding is at most half of
  * max|x_m| / X16_MAX an element, far below the weights' own (half a step of max|w_n| / 127),
- * and a row's result still depends on that row alone. */
+ * and a row's result still depends on that row alone.
+ *
+ * Groups of 32 (GGUF's Q8_0): each group is one vpdpwssd from zero, its lanes converted to
+ * float and multiplied by the group's scale (see group_sum); the float path took eight
+ * instructions a group where this takes four. */
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
-/* Output (m, n): the float lanes of its int32 sums, plus the last K % 32 inputs, scaled. */
+/* Output (m, n): the float lanes of its int32 sums, plus the last K % 32 inputs, scaled by x's
+ * scale and the channel's (1 where the groups' scales are in the total already). */
 INLINE void store_vnni(__m512 total, const int16_t *xq, const float *xs, const int8_t *q,
-                       const float *scale, const float *bias, void *y, int y_bf16, int64_t N,
+                       float channel_scale, const float *bias, void *y, int y_bf16, int64_t N,
                        int64_t K, int64_t Kp, int64_t m, int64_t n) {
     int64_t tail = 0;
     for (int64_t k = K - K % 32; k < K; k++)
         tail += (int64_t)xq[m * Kp + k] * q[n * K + k];
-    const float s = (_mm512_reduce_add_ps(total) + (float)tail) * xs[m] * scale[n];
+    const float s = (_mm512_reduce_add_ps(total) + (float)tail) * xs[m] * channel_scale;
     store_out(y, y_bf16, m * N + n, s, bias, n);
 }
 
+/* One or two (`two`, a constant where inlined) groups of 32 of one output: x's int16 fixed
+ * point by the int8 weights widened to int16 (x0, w0; x1, w1), each group's int32 lanes to
+ * float times its scale, the pair summed before it joins the output's total (one add's latency
+ * per 64 weights). tile_vnni and row_vnni both sum this way: the same bits. */
+INLINE __m512 group_sum(__m512i x0, __m512i w0, const float *s, __m512i x1, __m512i w1,
+                        const int two) {
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, x0, w0)),
+                                   _mm512_set1_ps(s[0]));
+    if (!two)
+        return t;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, x1, w1)),
+                           _mm512_set1_ps(s[1]), t);
+}
+
+/* 32 int8 weights from p on, sign-extended to int16. */
+INLINE __m512i load_w16(const int8_t *p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* The groups k .. k + 32 (and k + 32 .. k + 64 with `two`) of a tile: weights loaded once for
+ * the P x rows, x once for the R weight rows. */
+INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, int64_t K,
+                        int64_t Kp, int64_t m0, int64_t n0, int64_t k, const int8_t *ahead,
+                        __m512 total[XROWS][ROWS], const int P, const int R, const int two) {
+    const int64_t groups = K / 32;
+    __m512i w0[ROWS], w1[ROWS];
+    for (int r = 0; r < R; r++) {
+        __builtin_prefetch(ahead + r * K + k, 0, 3);
+        w0[r] = load_w16(q + (n0 + r) * K + k);
+        w1[r] = two ? load_w16(q + (n0 + r) * K + k + 32) : w0[r];
+    }
+    for (int p = 0; p < P; p++) {
+        const __m512i x0 = _mm512_loadu_si512(xq + (m0 + p) * Kp + k);
+        const __m512i x1 = two ? _mm512_loadu_si512(xq + (m0 + p) * Kp + k + 32) : x0;
+        for (int r = 0; r < R; r++)
+            total[p][r] = _mm512_add_ps(
+                total[p][r],
+                group_sum(x0, w0[r], scale + (n0 + r) * groups + k / 32, x1, w1[r], two));
+    }
+}
+
+/* Inputs c0 .. c1 (at most K_CHUNK, whole steps of 32) of a tile with per-channel scales,
+ * summed in int32 lanes and added to the totals as floats. */
+INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp, int64_t m0,
+                       int64_t n0, int64_t c0, int64_t c1, const int8_t *ahead,
+                       __m512 total[XROWS][ROWS], const int P, const int R) {
+    __m512i acc[XROWS][ROWS];
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++)
+            acc[p][r] = _mm512_setzero_si512();
+    for (int64_t k = c0; k < c1; k += 32) {
+        if ((k & 63) == 0)
+            for (int r = 0; r < R; r++)
+                __builtin_prefetch(ahead + r * K + k, 0, 3);
+        __m512i wv[ROWS];
+        for (int r = 0; r < R; r++)
+            wv[r] = load_w16(q + (n0 + r) * K + k);
+        for (int p = 0; p < P; p++) {
+            const __m512i xv = _mm512_loadu_si512(xq + (m0 + p) * Kp + k);
+            for (int r = 0; r < R; r++)
+                acc[p][r] = _mm512_dpwssd_epi32(acc[p][r], xv, wv[r]);
+        }
+    }
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++)
+            total[p][r] = _mm512_add_ps(total[p][r], _mm512_cvtepi32_ps(acc[p][r]));
+}
+
+/* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P, per-channel scales or (`grouped`) groups of
+ * 32; P, R and grouped are constants where this is inlined. */
 INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                       const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
-                      int64_t Kp, int64_t m0, int64_t n0, const int P, const int R) {
+                      int64_t Kp, int64_t m0, int64_t n0, const int P, const int R,
+                      const int grouped) {
     const int8_t *ahead = q + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K;
-    const int64_t kv = K - K % 32;
     __m512 total[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
             total[p][r] = _mm512_setzero_ps();
-    for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
-        const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
-        __m512i acc[XROWS][ROWS];
-        for (int p = 0; p < P; p++)
-            for (int r = 0; r < R; r++)
-                acc[p][r] = _mm512_setzero_si512();
-        for (int64_t k = c0; k < c1; k += 32) {
-            if ((k & 63) == 0)
-                for (int r = 0; r < R; r++)
-                    __builtin_prefetch(ahead + r * K + k, 0, 3);
-            __m512i wv[ROWS];
-            for (int r = 0; r < R; r++)
-                wv[r] = _mm512_cvtepi8_epi16(
-                    _mm256_loadu_si256((const __m256i *)(q + (n0 + r) * K + k)));
-            for (int p = 0; p < P; p++) {
-                const __m512i xv = _mm512_loadu_si512(xq + (m0 + p) * Kp + k);
-                for (int r = 0; r < R; r++)
-                    acc[p][r] = _mm512_dpwssd_epi32(acc[p][r], xv, wv[r]);
-            }
-        }
-        for (int p = 0; p < P; p++)
-            for (int r = 0; r < R; r++)
-                total[p][r] = _mm512_add_ps(total[p][r], _mm512_cvtepi32_ps(acc[p][r]));
+    if (grouped) {
+        const int64_t k2 = K - K % 64;
+        for (int64_t k = 0; k < k2; k += 64)
+            tile_groups(xq, q, scale, K, Kp, m0, n0, k, ahead, total, P, R, 1);
+        if (k2 < K)
+            tile_groups(xq, q, scale, K, Kp, m0, n0, k2, ahead, total, P, R, 0);
+    } else {
+        const int64_t kv = K - K % 32;
+        for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK)
+            tile_chunk(xq, q, K, Kp, m0, n0, c0, c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv, ahead,
+                       total, P, R);
     }
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            store_vnni(total[p][r], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m0 + p, n0 + r);
+            store_vnni(total[p][r], xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16,
+                       N, K, Kp, m0 + p, n0 + r);
 }
 
 /* One x row by weight rows n0 .. n0 + R a row at a time, as cpu_linear.c reads for a lone
- * row (one sequential stream a thread, no software prefetch), with VNNI_ACC int32
- * accumulators for consecutive steps (one would wait on vpdpwssd's latency). Integer sums are
- * exact: the same result as tile_vnni's, bit for bit. */
+ * row (one sequential stream a thread, asking STREAM_AHEAD on). Per channel, VNNI_ACC int32
+ * accumulators for consecutive steps (one would wait on vpdpwssd's latency); integer sums are
+ * exact. Groups of 32 are summed as tile_groups sums them. So the result is tile_vnni's, bit
+ * for bit. */
 #define VNNI_ACC 4
 INLINE void row_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                      const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t Kp,
-                     int64_t m, int64_t n0, const int R) {
-    const int64_t kv = K - K % 32;
+                     int64_t m, int64_t n0, const int R, const int grouped) {
+    const int64_t kv = K - K % 32, k2 = K - K % 64, groups = K / 32;
     const int16_t *xr = xq + m * Kp;
     for (int r = 0; r < R; r++) {
         const int8_t *qr = q + (n0 + r) * K;
+        const float *sr = scale + (n0 + r) * groups;
         __m512 total = _mm512_setzero_ps();
-        for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
-            const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
-            __m512i acc[VNNI_ACC];
-            for (int a = 0; a < VNNI_ACC; a++)
-                acc[a] = _mm512_setzero_si512();
-            int64_t k = c0;
-            for (; k + VNNI_ACC * 32 <= c1; k += VNNI_ACC * 32)
+        if (grouped) {
+            for (int64_t k = 0; k < k2; k += 64) {
+                prefetch_stream(qr + k);
+                total = _mm512_add_ps(
+                    total, group_sum(_mm512_loadu_si512(xr + k), load_w16(qr + k), sr + k / 32,
+                                     _mm512_loadu_si512(xr + k + 32), load_w16(qr + k + 32), 1));
+            }
+            if (k2 < K) {
+                const __m512i x0 = _mm512_loadu_si512(xr + k2), w0 = load_w16(qr + k2);
+                total = _mm512_add_ps(total, group_sum(x0, w0, sr + k2 / 32, x0, w0, 0));
+            }
+        } else {
+            for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
+                const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
+                __m512i acc[VNNI_ACC];
                 for (int a = 0; a < VNNI_ACC; a++)
-                    acc[a] = _mm512_dpwssd_epi32(
-                        acc[a], _mm512_loadu_si512(xr + k + 32 * a),
-                        _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k + 32 * a))));
-            for (; k < c1; k += 32)
-                acc[0] = _mm512_dpwssd_epi32(
-                    acc[0], _mm512_loadu_si512(xr + k),
-                    _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(qr + k))));
-            for (int a = 1; a < VNNI_ACC; a++)
-                acc[0] = _mm512_add_epi32(acc[0], acc[a]);
-            total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc[0]));
+                    acc[a] = _mm512_setzero_si512();
+                int64_t k = c0;
+                for (; k + VNNI_ACC * 32 <= c1; k += VNNI_ACC * 32) {
+                    prefetch_stream(qr + k);
+                    prefetch_stream(qr + k + 64);
+                    for (int a = 0; a < VNNI_ACC; a++)
+                        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_loadu_si512(xr + k + 32 * a),
+                                                     load_w16(qr + k + 32 * a));
+                }
+                for (; k < c1; k += 32)
+                    acc[0] = _mm512_dpwssd_epi32(acc[0], _mm512_loadu_si512(xr + k),
+                                                 load_w16(qr + k));
+                for (int a = 1; a < VNNI_ACC; a++)
+                    acc[0] = _mm512_add_epi32(acc[0], acc[a]);
+                total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc[0]));
+            }
         }
-        store_vnni(total, xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0 + r);
+        store_vnni(total, xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16, N, K, Kp,
+                   m, n0 + r);
     }
 }
 
 INLINE void rows_block_vnni(const int16_t *xq, const float *xs, const int8_t *q,
                             const float *scale, const float *bias, void *y, int y_bf16,
                             int64_t m, int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t n0,
-                            const int R) {
+                            const int R, const int grouped) {
     if (M - m == 1) {
-        row_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R);
+        row_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R, grouped);
         return;
     }
     for (; m + XROWS <= M; m += XROWS)
-        tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R);
+        tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R, grouped);
     switch (M - m) {
-    case 3: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 3, R); break;
-    case 2: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 2, R); break;
-    case 1: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 1, R); break;
+    case 3: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 3, R, grouped); break;
+    case 2: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 2, R, grouped); break;
+    case 1: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 1, R, grouped); break;
     default: break;
     }
 }
 
-static void linear_vnni(const float *x, const int8_t *q, const float *scale, const float *bias,
+/* Per-channel scales, or (`grouped`, a constant where inlined) groups of 32. */
+INLINE void linear_vnni(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                        int num_threads) {
+                        const int grouped, int num_threads) {
     const int64_t Kp = (K + 31) / 32 * 32;
     int16_t *xq = calloc((size_t)(M * Kp), sizeof *xq);
     float *xs = malloc((size_t)M * sizeof *xs);
@@ -303,9 +387,10 @@ static void linear_vnni(const float *x, const int8_t *q, const float *scale, con
         const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < full; b++)
-            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS, ROWS);
+            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS, ROWS,
+                            grouped);
         for (int64_t n = full * ROWS; n < N; n++)
-            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1);
+            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1, grouped);
     }
     free(xq);
     free(xs);
@@ -323,13 +408,15 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
             widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = widened;
     }
-    /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
-     * per-group bookkeeping cost more than the group's loads) */
 #if HAS_VNNI
     if (!portable && G == K)
-        linear_vnni(xf, q, scale, bias, y, y_bf16, M, N, K, num_threads);
+        linear_vnni(xf, q, scale, bias, y, y_bf16, M, N, K, 0, num_threads);
+    else if (!portable && G == 32)
+        linear_vnni(xf, q, scale, bias, y, y_bf16, M, N, K, 1, num_threads);
     else
 #endif
+    /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
+     * per-group bookkeeping cost more than the group's loads) */
     if (HAS_AVX512 && !portable && G == 32)
         linear_rows(xf, q, scale, bias, y, y_bf16, M, N, K, 32, 1, num_threads);
     else if (HAS_AVX512 && !portable)

@@ -26,6 +26,13 @@ def group_size(q: torch.Tensor, scale: torch.Tensor) -> int:
     return k // scale.shape[1]
 
 
+def scale_group(q: torch.Tensor, scale: torch.Tensor) -> int:
+    """:func:`group_size`, or 0 where there is one scale per output channel (whatever K): how
+    ``kernels.native`` names the C kernel's paths."""
+    group = group_size(q, scale)
+    return 0 if scale.shape[1] == 1 else group
+
+
 # Float32 bytes of weight rows ``quantize`` works on at a time: its temporaries (the rows
 # widened, their magnitudes, the quotient) stay this size whatever the weight's.
 QUANTIZE_CHUNK_BYTES = 16 << 20

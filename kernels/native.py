@@ -19,7 +19,8 @@ C functions in its profiles (``labelled_for_profiler``).
   weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
   AVX512-BF16, when x is bf16 too).
 - ``cpu_int8.c``: weight-only int8 linear layers (``linear_int8``): int8 weights with a float32
-  scale per group of inputs, widened in registers (an AVX-512 path and a portable one).
+  scale per group of inputs, widened in registers (a VNNI path for scales per channel and per
+  32, an AVX-512 path, and a portable one).
 - ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
   kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
@@ -99,9 +100,13 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # SmolLM2's 1536x576, 6.9 vs 17.5 ms for Llama-3.2-1B's 8192x2048; at 32 rows they tie. On a
 # 2-core Xeon with AVX512-BF16, whose dot product of bf16 pairs the kernel then uses: 22.9 ms
 # at 8 rows against torch's bf16 GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step
-# of 8 rows in one C call 31 ms against 39 layer by layer.
+# of 8 rows in one C call 31 ms against 39 layer by layer. Where torch's bf16 GEMM runs on AMX
+# tiles (a 2-core Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/RESULTS.md):
+# the one C call won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and
+# lost at 8 (130.3 against 112.7).
 LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 LINEAR_MAX_ROWS_BF16_DOT = 8
+LINEAR_MAX_ROWS_BF16_AMX = 5
 
 
 def cache_dir() -> Path:
@@ -167,10 +172,16 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     """The most rows of a ``dtype`` weight ``linear`` runs in the C kernel (0: none):
     ``LINEAR_MAX_ROWS``, or for bf16 ``LINEAR_MAX_ROWS_BF16_DOT`` where the kernel was built
     with AVX512-BF16's dot product (asked of the built library, not of the CPU, so the two
-    cannot disagree)."""
+    cannot disagree), ``LINEAR_MAX_ROWS_BF16_AMX`` where torch's bf16 GEMM has AMX's tiles
+    too (:func:`cpu_has_amx`)."""
     if dtype == torch.bfloat16 and library("cpu_linear").linear_has_bf16_dot():
-        return LINEAR_MAX_ROWS_BF16_DOT
+        return LINEAR_MAX_ROWS_BF16_AMX if cpu_has_amx() else LINEAR_MAX_ROWS_BF16_DOT
     return LINEAR_MAX_ROWS.get(dtype, 0)
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles, which torch's bf16 GEMM (oneDNN) runs on."""
+    return "amx_bf16" in _cpu_flags().split()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -267,19 +278,26 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 # rows, bench/RESULTS.md): with per-channel scales the VNNI path won up to 64 rows on every
 # shape (8192x2048: 7.0 against 18.0 ms at 64, 13.8 against 27.5 at 128; SmolLM2's 1536x576:
 # 0.54 against 0.58 at 64, 1.11 against 0.88 at 128). With groups of 32, or on the portable
-# path, the kernel lost at 32 rows on SmolLM2's shapes (0.56 against 0.39 ms).
+# path, the float path lost at 32 rows on SmolLM2's shapes (0.56 against 0.39 ms). Groups of 32
+# on the VNNI path (a 2-core Xeon with AMX, 2026-12-05, 8192x2048): 4.89 against 6.37 ms at 32
+# rows, 7.36 against 6.72 at 48.
 LINEAR_INT8_MAX_ROWS = 8
 LINEAR_INT8_MAX_ROWS_VNNI = 64
+LINEAR_INT8_MAX_ROWS_VNNI_GROUPS = 32
 
 
 @cache
-def linear_int8_max_rows(per_channel: bool) -> int:
-    """The most rows ``linear_int8`` runs in the C kernel for weights with one scale per output
-    channel (``per_channel``) or per group of inputs: ``LINEAR_INT8_MAX_ROWS_VNNI`` where
-    per-channel weights take the kernel's VNNI path (asked of the built library, as
-    ``linear_max_rows`` does), else ``LINEAR_INT8_MAX_ROWS``."""
-    if per_channel and library("cpu_int8").linear_int8_has_vnni():
-        return LINEAR_INT8_MAX_ROWS_VNNI
+def linear_int8_max_rows(group: int) -> int:
+    """The most rows ``linear_int8`` runs in the C kernel for weights with a scale per
+    ``group`` inputs (0: one per output channel): where the kernel has the VNNI path (asked of
+    the built library, as ``linear_max_rows`` does), ``LINEAR_INT8_MAX_ROWS_VNNI`` per channel
+    and ``LINEAR_INT8_MAX_ROWS_VNNI_GROUPS`` for groups of 32 (Q8_0's); else
+    ``LINEAR_INT8_MAX_ROWS``."""
+    if library("cpu_int8").linear_int8_has_vnni():
+        if group == 0:
+            return LINEAR_INT8_MAX_ROWS_VNNI
+        if group == 32:
+            return LINEAR_INT8_MAX_ROWS_VNNI_GROUPS
     return LINEAR_INT8_MAX_ROWS
 
 
@@ -292,10 +310,11 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     where it is bf16 and the CPU has no bf16 arithmetic), a chunk of rows at a time
     (``_linear_chunked``: the whole dequantized matrix is never in memory).
     """
-    if x.dim() == 2 and x.shape[0] <= linear_int8_max_rows(scale.shape[-1] == 1) and (
+    from kernels import int8
+
+    if x.dim() == 2 and x.shape[0] <= linear_int8_max_rows(int8.scale_group(q, scale)) and (
             x.dtype in LINEAR_MAX_ROWS):
         return linear_int8_rows(x, q, scale, bias)
-    from kernels import int8
 
     group = int8.group_size(q, scale)
     q, scale = q.contiguous(), scale.contiguous()
@@ -559,15 +578,14 @@ class DecodeLayers:
         if quantized:
             from kernels import int8
 
-            groups = {int8.group_size(w, s) if s.shape[1] > 1 else 0
-                      for layer in layers if layer.scales is not None
+            groups = {int8.scale_group(w, s) for layer in layers if layer.scales is not None
                       for w, s in zip((layer.qkv, layer.o, layer.gate_up, layer.down),
                                       layer.scales, strict=True)}
             if len(groups) != 1 or any(layer.scales is None for layer in layers):
                 raise ValueError("DecodeLayers needs every layer's projections int8 with one "
                                  f"group size, or none (got group sizes {sorted(groups)})")
             self.group = groups.pop()
-        self.max_rows = (linear_int8_max_rows(self.group == 0) if quantized
+        self.max_rows = (linear_int8_max_rows(self.group) if quantized
                          else linear_max_rows(dtype))
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]

@@ -340,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
             return 0
         qkv = self.layers[0].self_attn.qkv_proj
         if qkv.weight_scale is not None:
-            return native.linear_int8_max_rows(qkv.weight_scale.shape[1] == 1)
+            return native.linear_int8_max_rows(int8.scale_group(qkv.weight, qkv.weight_scale))
         return native.linear_max_rows(qkv.weight.dtype)
 
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -48,8 +48,8 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
 @pytest.mark.parametrize(("name", "dtype", "group", "num_prompts"), [
     ("qwen2-bias", "float32", None, 3),  # the qkv bias
     ("llama-gqa8-tied", "bfloat16", None, 1),  # a lone request
-    ("llama-mha", "bfloat16", 32, native.linear_int8_max_rows(False)),  # Q8_0's groups, most rows
-    ("llama-mha", "float32", None, native.linear_int8_max_rows(True)),  # per channel, most rows
+    ("llama-mha", "bfloat16", 32, native.linear_int8_max_rows(32)),  # Q8_0's groups, most rows
+    ("llama-mha", "float32", None, native.linear_int8_max_rows(0)),  # per channel, most rows
 ])
 def test_one_call_decode_matches_layer_by_layer(tiny_models: dict[str, Path], name: str,
                                                 dtype: str, group: int | None,

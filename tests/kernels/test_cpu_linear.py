@@ -14,17 +14,23 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return out if bias is None else out + bias.double()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # past LINEAR_MAX_ROWS: torch's GEMM
-@pytest.mark.parametrize(("n", "k"), [(1, 13), (7, 64), (1001, 576), (66, 1539)])
+SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # past linear_max_rows: torch's GEMM
+@pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("kernel", ["dispatch", "c"])
 def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torch.dtype,
-                                          with_bias: bool) -> None:
+                                          with_bias: bool, kernel: str) -> None:
+    # "c": the C kernel whatever linear_max_rows says (its tiles: a lone row's stream; 2 and 3
+    # rows in 2-row tiles; 8, 9 and 40 in 4-row tiles and what is left).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    out = native.linear(x, weight, bias)
+    out = (native.linear if kernel == "dispatch" else native.linear_rows)(x, weight, bias)
     assert out.dtype == dtype and out.shape == (rows, n)
     expected = _reference(x, weight, bias)
     # float32 accumulation over k terms, then the output rounded to its dtype.
@@ -87,3 +93,20 @@ def test_the_buffer_made_in_inference_mode_serves_outside_it(
     outside = native._linear_widened(x, weight, None)
     assert torch.equal(inside, outside)
     torch.testing.assert_close(outside, x @ weight.float().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("flags", "amx"), [("flags : avx512f amx_bf16 amx_tile", True),
+                                            ("flags : avx512f avx512_bf16", False)])
+def test_bf16_rows_leave_the_c_kernel_earlier_where_torch_has_amx(
+        monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool) -> None:
+    # With AMX, torch's bf16 GEMM beats the kernel past 5 rows (bench/RESULTS.md); float32
+    # weights keep the kernel to 8 rows either way.
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    native.linear_max_rows.cache_clear()
+    try:
+        dot = bool(native.library("cpu_linear").linear_has_bf16_dot())
+        assert native.cpu_has_amx() is amx
+        assert native.linear_max_rows(torch.bfloat16) == (5 if amx and dot else 8)
+        assert native.linear_max_rows(torch.float32) == 8
+    finally:
+        native.linear_max_rows.cache_clear()

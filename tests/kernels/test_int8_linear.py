@@ -45,9 +45,12 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
 
 def _vnni_rounding(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    portable: bool) -> torch.Tensor | None:
-    """The VNNI path's bound where it runs (per-channel scales, not forced portable): each x
-    rounded by at most half of its row's max / X16_MAX, times the weights' magnitudes."""
-    if portable or scale.shape[1] != 1 or not native.library("cpu_int8").linear_int8_has_vnni():
+    """The VNNI path's bound where it runs (per-channel scales or groups of 32, not forced
+    portable): each x rounded by at most half of its row's max / X16_MAX, times the weights'
+    magnitudes."""
+    group = q.shape[1] // scale.shape[1]
+    if (portable or group not in (q.shape[1], 32)
+            or not native.library("cpu_int8").linear_int8_has_vnni()):
         return None
     half_step = x.float().abs().amax(1, keepdim=True) / X16_MAX / 2  # [M, 1]
     return half_step * int8.dequantize(q, scale).abs().sum(1)[None, :] * (1 + 1e-3)
@@ -134,20 +137,21 @@ def test_the_build_has_the_avx512_paths_where_the_cpu_does() -> None:
     assert bool(lib.linear_int8_has_vnni()) == ("avx512_vnni" in flags and "avx512bw" in flags)
 
 
-def test_vnni_path_is_closer_than_the_weights_rounding() -> None:
+@pytest.mark.parametrize("group", [None, 32], ids=["channel", "g32"])
+def test_vnni_path_is_closer_than_the_weights_rounding(group: int | None) -> None:
     # x as int16 adds far less error than int8 weights: against the float model's product,
     # the kernel's error is within 1% more than the reference's (which only rounds weights).
     gen = torch.Generator().manual_seed(5)
     weight, x = torch.randn(64, 576, generator=gen), torch.randn(3, 576, generator=gen)
-    q, scale = int8.quantize(weight)
+    q, scale = int8.quantize(weight, group)
     exact = x.double() @ weight.double().T
     ref_error = (int8.linear_reference(x, q, scale).double() - exact).abs().mean()
     got_error = (native.linear_int8_rows(x, q, scale).double() - exact).abs().mean()
     assert got_error <= ref_error * 1.01
 
 
-# past linear_int8_max_rows (8, or 64 per channel on VNNI): dequantize + GEMM
-@pytest.mark.parametrize("rows", [1, 8, 9, 40, 64, 65])
+# past linear_int8_max_rows (8; on VNNI 64 per channel, 32 in groups of 32): dequantize + GEMM
+@pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
@@ -155,7 +159,7 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     x, q, scale, bias = _case(rows, 130, 576, group)
     x = x.to(dtype)
-    in_kernel = rows <= native.linear_int8_max_rows(group is None)
+    in_kernel = rows <= native.linear_int8_max_rows(group or 0)
     kernel_rows: list[int] = []
     rows_kernel = native.linear_int8_rows
     monkeypatch.setattr(native, "linear_int8_rows", lambda x, *a, **kw: (
@@ -166,11 +170,13 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
     assert kernel_rows == ([rows] if in_kernel else [])
 
 
-def test_per_channel_weights_take_the_kernel_further_on_vnni() -> None:
-    # The VNNI path beats dequantize + GEMM to 64 rows (bench/RESULTS.md); other paths to 8.
+def test_the_vnni_path_takes_the_kernel_further() -> None:
+    # The VNNI path beats dequantize + GEMM to 64 rows per channel and 32 in groups of 32
+    # (bench/RESULTS.md); other groups and the other paths to 8.
     vnni = bool(native.library("cpu_int8").linear_int8_has_vnni())
-    assert native.linear_int8_max_rows(True) == (64 if vnni else 8)
-    assert native.linear_int8_max_rows(False) == 8
+    assert native.linear_int8_max_rows(0) == (64 if vnni else 8)
+    assert native.linear_int8_max_rows(32) == (32 if vnni else 8)
+    assert native.linear_int8_max_rows(16) == 8
 
 
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-gemm", "widened"])
@@ -199,8 +205,9 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
     assert {dt: b.data_ptr() for dt, b in native._scratch.buffers.items()} == buffers  # reused
 
 
-# K: steps of 32 and a tail; past a 4-step unroll, leftover steps, one K_CHUNK flush, a tail
-@pytest.mark.parametrize(("k", "group"), [(100, None), (8293, None), (8288, 32)])
+# K: steps of 32 and a tail; past a 4-step unroll, leftover steps, one K_CHUNK flush, a tail;
+# groups of 32 in pairs with one left over (8288), and in pairs only (8320)
+@pytest.mark.parametrize(("k", "group"), [(100, None), (8293, None), (8288, 32), (8320, 32)])
 def test_a_row_does_not_depend_on_the_others(k: int, group: int | None) -> None:
     # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
     # A lone row takes its own loop on the VNNI path (row_vnni): the same bits.
