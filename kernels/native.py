@@ -102,11 +102,14 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # at 8 rows against torch's bf16 GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step
 # of 8 rows in one C call 31 ms against 39 layer by layer. Where torch's bf16 GEMM runs on AMX
 # tiles (a 2-core Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/RESULTS.md):
-# the one C call won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and
-# lost at 8 (130.3 against 112.7).
+# the one C call with the dot product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7
+# against 112.4) and lost at 8 (130.3 against 112.7). The kernel on AMX's tiles itself (one
+# pass over the weights for up to 32 rows) won at every row count to 32: 83.0 against 114.0 ms
+# at 8 rows, 94.8 against 119.0 at 16, 126.1 against 133.5 at 32.
 LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
 LINEAR_MAX_ROWS_BF16_DOT = 8
-LINEAR_MAX_ROWS_BF16_AMX = 5
+LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
+LINEAR_MAX_ROWS_BF16_AMX = 32
 
 
 def cache_dir() -> Path:
@@ -172,10 +175,14 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     """The most rows of a ``dtype`` weight ``linear`` runs in the C kernel (0: none):
     ``LINEAR_MAX_ROWS``, or for bf16 ``LINEAR_MAX_ROWS_BF16_DOT`` where the kernel was built
     with AVX512-BF16's dot product (asked of the built library, not of the CPU, so the two
-    cannot disagree), ``LINEAR_MAX_ROWS_BF16_AMX`` where torch's bf16 GEMM has AMX's tiles
-    too (:func:`cpu_has_amx`)."""
-    if dtype == torch.bfloat16 and library("cpu_linear").linear_has_bf16_dot():
-        return LINEAR_MAX_ROWS_BF16_AMX if cpu_has_amx() else LINEAR_MAX_ROWS_BF16_DOT
+    cannot disagree); ``LINEAR_MAX_ROWS_BF16_AMX`` where the kernel runs on AMX's tiles
+    (built with them, and granted them by the OS), ``LINEAR_MAX_ROWS_BF16_TORCH_AMX`` where
+    only torch's bf16 GEMM does (:func:`cpu_has_amx`)."""
+    lib = library("cpu_linear")
+    if dtype == torch.bfloat16 and lib.linear_has_bf16_dot():
+        if lib.linear_has_amx():
+            return LINEAR_MAX_ROWS_BF16_AMX
+        return LINEAR_MAX_ROWS_BF16_TORCH_AMX if cpu_has_amx() else LINEAR_MAX_ROWS_BF16_DOT
     return LINEAR_MAX_ROWS.get(dtype, 0)
 
 

@@ -17,7 +17,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40])  # past linear_max_rows: torch's GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20, 40])  # past linear_max_rows: torch GEMM
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
@@ -25,7 +25,8 @@ SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torch.dtype,
                                           with_bias: bool, kernel: str) -> None:
     # "c": the C kernel whatever linear_max_rows says (its tiles: a lone row's stream; 2 and 3
-    # rows in 2-row tiles; 8, 9 and 40 in 4-row tiles and what is left).
+    # rows in 2-row tiles; 8, 9 and 40 in 4-row tiles and what is left; on AMX, 20 rows in x
+    # tiles of 16 and 4, 40 in a pass of 32 and one of 8).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).to(dtype)
@@ -97,16 +98,26 @@ def test_the_buffer_made_in_inference_mode_serves_outside_it(
 
 @pytest.mark.parametrize(("flags", "amx"), [("flags : avx512f amx_bf16 amx_tile", True),
                                             ("flags : avx512f avx512_bf16", False)])
-def test_bf16_rows_leave_the_c_kernel_earlier_where_torch_has_amx(
+def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
         monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool) -> None:
-    # With AMX, torch's bf16 GEMM beats the kernel past 5 rows (bench/RESULTS.md); float32
-    # weights keep the kernel to 8 rows either way.
+    # bench/RESULTS.md: on AMX's tiles the kernel beats torch's GEMM to 32 rows (one pass);
+    # with the dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX past 8.
+    # float32 weights keep the kernel to 8 rows either way.
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
     try:
-        dot = bool(native.library("cpu_linear").linear_has_bf16_dot())
+        lib = native.library("cpu_linear")
+        dot, tiles = bool(lib.linear_has_bf16_dot()), bool(lib.linear_has_amx())
         assert native.cpu_has_amx() is amx
-        assert native.linear_max_rows(torch.bfloat16) == (5 if amx and dot else 8)
+        assert native.linear_max_rows(torch.bfloat16) == (
+            32 if dot and tiles else 5 if dot and amx else 8)
         assert native.linear_max_rows(torch.float32) == 8
     finally:
         native.linear_max_rows.cache_clear()
+
+
+def test_the_build_has_the_amx_path_where_the_cpu_does() -> None:
+    # Otherwise the bf16 cases above test the dot product's tiles twice on an AMX host.
+    flags = native._cpu_flags().split()
+    assert bool(native.library("cpu_linear").linear_has_amx()) == (
+        "amx_bf16" in flags and "amx_tile" in flags)
