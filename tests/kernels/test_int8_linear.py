@@ -208,10 +208,14 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
 # K: steps of 32 and a tail; past a 4-step unroll, leftover steps, one K_CHUNK flush, a tail;
 # groups of 32 in pairs with one left over (8288), and in pairs only (8320)
 @pytest.mark.parametrize(("k", "group"), [(100, None), (8293, None), (8288, 32), (8320, 32)])
-def test_a_row_does_not_depend_on_the_others(k: int, group: int | None) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_does_not_depend_on_the_others(k: int, group: int | None,
+                                             dtype: torch.dtype) -> None:
     # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
-    # A lone row takes its own loop on the VNNI path (row_vnni): the same bits.
+    # A lone row takes its own loop on the VNNI path (row_vnni): the same bits, from float32
+    # rows and from bf16 ones.
     x, q, scale, bias = _case(17, 65, k, group)
+    x = x.to(dtype)
     alone = torch.cat([native.linear_int8_rows(x[i : i + 1], q, scale, bias) for i in range(17)])
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias), alone)
 
