@@ -14,11 +14,18 @@
  * float32 or NULL; y: [M, N] float32, or bf16 (rounded to nearest even, as torch rounds).
  */
 #include "cpu_common.h"
-#include "cpu_amx.h"
 
 #include <stdlib.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAS_AMX 1
+#else
+#define HAS_AMX 0
 #endif
 
 #define ROWS 4  /* weight rows per tile */
@@ -176,54 +183,147 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
 }
 
 #if HAS_AMX
-/* bf16 rows by bf16 weights on AMX's tiles (see amx_rows in cpu_common.h), the weights as they
- * are: a decode step of up to AMX_M rows reads every weight once (a 2-core Xeon, 8192x2048:
- * 34-36 GB/s from 1 to 8 rows, where the dot product's tiles fell to 21 at 8 and torch's GEMM
- * on AMX read 25; 26.5 at 16 rows, 20.0 at 32, where x's tiles come from L2 as often as the
- * weights' from memory). Weight rows past the last whole block (N % AMX_BLOCK) take the dot
- * product's tile; inputs past the last 32 (K % 32) are added after, in float32. */
+/* bf16 rows by bf16 weights on AMX's tiles (float32 sums): a tile of 16 weight rows by 32
+ * inputs (64 bytes of each row, loaded with the rows' stride, so the weights keep their
+ * row-major layout) times a tile of the same 32 inputs of up to 16 x rows, packed as AMX wants its second operand (pairs of inputs side by side),
+ * accumulates 16 outputs by those x rows in a float32 tile. A thread takes blocks of 2 x 16
+ * weight rows, all of K, with up to 2 x 16 x rows (all 8 tile registers): one pass over the
+ * weights for up to AMX_M rows. tdpbf16ps adds an output's products in the order of its
+ * inputs, one instruction's 16 pairs after another, whatever the tile's other rows and
+ * columns, so a row's result does not depend on the others (the batch-invariant mode's
+ * linear). */
+#define AMX_M 32     /* x rows per pass: two float32 tiles' 16 columns */
+#define AMX_BLOCK 32 /* weight rows per block: two tiles of 16 */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
 typedef struct {
-    const float *xf;
-    const uint16_t *xh, *w;
-    const float *bias;
-    void *y;
-    int y_bf16;
-    int64_t N, K;
-} amx_bf16_job;
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Whether this process may use the tile registers: Linux grants them on request (5.16 on). */
+static inline int amx_permitted(void) {
+    static int permitted = -1; /* every caller computes the same: a benign race */
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+}
+
+/* Tiles 2, 3: weights (16 rows by 32 bf16); 4 and 7: the first Pa and the next Pb x rows (16
+ * input pairs by their rows); 0, 1 and 5, 6: float32 outputs of the two weight tiles by them
+ * (tiles of no rows, where Pb is 0, are left unconfigured). */
+static inline void amx_configure(int Pa, int Pb) {
+    static const int pb_tiles[] = {5, 6, 7};
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = t == 2 || t == 3 ? 64 : Pa * 4;
+    }
+    for (int i = 0; i < 3 && Pb; i++) {
+        c.rows[pb_tiles[i]] = 16;
+        c.colsb[pb_tiles[i]] = Pb * 4;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* x rows m0 .. m0 + P (bf16) as the x tiles of each 32 inputs: [K / 32][16 pairs][P][2]. */
+static inline void amx_pack(const uint16_t *xh, int64_t K, int64_t m0, int P, uint16_t *xp) {
+    for (int64_t kb = 0; kb < K / 32; kb++)
+        for (int r = 0; r < 16; r++)
+            for (int p = 0; p < P; p++) {
+                const uint16_t *src = xh + (m0 + p) * K + kb * 32 + 2 * r;
+                uint16_t *dst = xp + ((kb * 16 + r) * P + p) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+/* The float32 sums of bf16 weight rows w0 .. w0 + 16 and w1 .. w1 + 16 (`stride` bytes apart)
+ * over inputs 0 .. kv by the packed x rows xa (Pa of them) and xb (Pb): out[0], out[1] by xa,
+ * out[2], out[3] by xb. */
+static inline void amx_tiles(const uint16_t *w0, const uint16_t *w1, int64_t stride,
+                             const uint16_t *xa, const uint16_t *xb, int64_t kv, int Pa, int Pb,
+                             float out[4][16][16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (Pb) {
+        _tile_zero(5);
+        _tile_zero(6);
+    }
+    for (int64_t k = 0; k < kv; k += 32) {
+        _tile_loadd(2, w0 + k, stride);
+        _tile_loadd(3, w1 + k, stride);
+        _tile_loadd(4, xa + k * Pa, Pa * 4);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(1, 3, 4);
+        if (Pb) {
+            _tile_loadd(7, xb + k * Pb, Pb * 4);
+            _tile_dpbf16ps(5, 2, 7);
+            _tile_dpbf16ps(6, 3, 7);
+        }
+    }
+    _tile_stored(0, out[0], 16 * 4);
+    _tile_stored(1, out[1], 16 * 4);
+    if (Pb) {
+        _tile_stored(5, out[2], 16 * 4);
+        _tile_stored(6, out[3], 16 * 4);
+    }
+}
 
 /* The outputs of a stored float32 tile (16 weight rows from n0 by P x rows from m0), with the
  * inputs past the last 32 added. */
-static void amx_store(const amx_bf16_job *j, const float out[16][16], int64_t m0, int P,
-                      int64_t n0) {
-    const int64_t K = j->K;
+static void amx_store(const float out[16][16], const float *xf, const uint16_t *w,
+                      const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t m0,
+                      int P, int64_t n0) {
     for (int i = 0; i < 16; i++)
         for (int p = 0; p < P; p++) {
             float s = out[i][p];
             for (int64_t k = K - K % 32; k < K; k++)
-                s += j->xf[(m0 + p) * K + k] * bf16_to_f32(j->w[(n0 + i) * K + k]);
-            store_out(j->y, j->y_bf16, (m0 + p) * j->N + n0 + i, s, j->bias, n0 + i);
+                s += xf[(m0 + p) * K + k] * bf16_to_f32(w[(n0 + i) * K + k]);
+            store_out(y, y_bf16, (m0 + p) * N + n0 + i, s, bias, n0 + i);
         }
 }
 
-static void amx_block_bf16(const void *job, const uint16_t *xa, const uint16_t *xb, int64_t m0,
-                           int Pa, int Pb, int64_t n0) {
-    const amx_bf16_job *j = job;
-    const int64_t K = j->K;
-    const uint16_t *w0 = j->w + n0 * K;
-    float out[4][16][16];
-    amx_tiles(w0, w0 + 16 * K, K * 2, xa, xb, K - K % 32, Pa, Pb, out);
-    amx_store(j, out[0], m0, Pa, n0);
-    amx_store(j, out[1], m0, Pa, n0 + 16);
-    if (Pb) {
-        amx_store(j, out[2], m0 + Pa, Pb, n0);
-        amx_store(j, out[3], m0 + Pa, Pb, n0 + 16);
+/* y for the M bf16 x rows xh ([M, K]) by N bf16 weight rows: AMX_M x rows a pass, the weights'
+ * whole blocks (AMX_BLOCK rows) shared by the threads; a decode step of up to AMX_M rows reads
+ * every weight once (a 2-core Xeon, 8192x2048: 34-36 GB/s from 1 to 8 rows, where the dot
+ * product's tiles fell to 21 at 8 and torch's GEMM on AMX read 25; 26.5 at 16 rows, 20.0 at
+ * 32, where x's tiles come from L2 as often as the weights' from memory). Weight rows past
+ * the last whole block (N % AMX_BLOCK: which ones depends on N alone) take the dot product's
+ * tile; inputs past the last 32 (K % 32) are added after, in float32. */
+static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
+                       const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                       int num_threads) {
+    const int64_t blocks = N / AMX_BLOCK, kv = K - K % 32;
+    uint16_t *xp = malloc((size_t)kv * AMX_M * sizeof *xp + 64);
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
+        const int P = M - m0 < AMX_M ? (int)(M - m0) : AMX_M;
+        const int Pa = P < 16 ? P : 16, Pb = P - Pa;
+        uint16_t *xb = xp + kv * Pa;
+        amx_pack(xh, K, m0, Pa, xp);
+        amx_pack(xh, K, m0 + Pa, Pb, xb);
+#pragma omp parallel num_threads(num_threads)
+        {
+            amx_configure(Pa, Pb);
+            float out[4][16][16];
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const uint16_t *w0 = w + b * AMX_BLOCK * K;
+                amx_tiles(w0, w0 + 16 * K, K * 2, xp, xb, kv, Pa, Pb, out);
+                for (int t = 0; t < (Pb ? 4 : 2); t++)
+                    amx_store(out[t], xf, w, bias, y, y_bf16, N, K, t < 2 ? m0 : m0 + Pa,
+                              t < 2 ? Pa : Pb, b * AMX_BLOCK + 16 * (t % 2));
+            }
+            _tile_release();
+        }
+        for (int64_t n = blocks * AMX_BLOCK; n < N; n++)
+            rows_block(xf, xf, xh, w, bias, y, y_bf16, m0, m0 + P, N, K, n, 1, BF16_DOT);
     }
-}
-
-static void amx_tail_bf16(const void *job, int64_t m0, int64_t m1, int64_t n) {
-    const amx_bf16_job *j = job;
-    rows_block(j->xf, j->xf, j->xh, j->w, j->bias, j->y, j->y_bf16, m0, m1, j->N, j->K, n, 1,
-               BF16_DOT);
+    free(xp);
 }
 #endif
 
@@ -246,8 +346,7 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
     const float *xa = xf;
 #if HAS_AMX
     if (dot && amx_permitted()) {
-        const amx_bf16_job job = {xf, x, w, bias, y, y_bf16, N, K};
-        amx_rows(x, M, N, K, num_threads, amx_block_bf16, amx_tail_bf16, &job);
+        linear_amx(xf, x, w, bias, y, y_bf16, M, N, K, num_threads);
         free(buffer);
         return;
     }
