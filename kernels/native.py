@@ -101,7 +101,7 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # 2-core Xeon with AVX512-BF16, whose dot product of bf16 pairs the kernel then uses: 22.9 ms
 # at 8 rows against torch's bf16 GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step
 # of 8 rows in one C call 31 ms against 39 layer by layer. Where torch's bf16 GEMM runs on AMX
-# tiles (a 2-core Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/RESULTS.md):
+# tiles (a 2-core Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/decode_rows.py):
 # the one C call with the dot product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7
 # against 112.4) and lost at 8 (130.3 against 112.7). The kernel on AMX's tiles itself (one
 # pass over the weights for up to 32 rows) won at every row count to 32: 83.0 against 114.0 ms

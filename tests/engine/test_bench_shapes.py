@@ -83,3 +83,33 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ours, theirs = (float(x) for x in re.findall(r"(\d+\.\d+) useful tok/s, transformers "
                                                   r"(\d+\.\d+)", hf_line)[0])
     assert ours > 0 and theirs > 0 and f"= {ours / theirs:.2f}x" in hf_line
+
+
+def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/decode_rows.py: each row count timed with the one C call and layer by layer (the
+    one call taken only in the first), the ratio of the two, and the row limits put back."""
+    from bench import decode_rows, shapes
+    from kernels import native
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
+        tie_word_embeddings=True, max_position_embeddings=1024))
+    one_call_rows: list[int] = []
+    run = native.DecodeLayers.__call__
+    monkeypatch.setattr(native.DecodeLayers, "__call__", lambda self, x, *a: (
+        one_call_rows.append(x.shape[0]), run(self, x, *a))[1])
+    limits = dict(decode_rows.DEFAULTS)
+    assert decode_rows.main(["--shape", "tiny", "--rows", "1", "3", "--tokens", "3",
+                             "--repeats", "1", "--models", str(tmp_path / "models")]) == 0
+    assert {name: getattr(native, name) for name in limits} == limits
+    assert sorted(set(one_call_rows)) == [1, 3]  # decode steps of the "one call" engine only
+    assert len(one_call_rows) == 2 * 3  # 3 decode steps each, none from the torch engine
+    rows = [line.split("|")[1:5] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    for _, ours_ms, theirs_ms, ratio in rows:  # ms printed to 0.05, the ratio to 0.005
+        ours, theirs = float(ours_ms), float(theirs_ms)
+        slack = theirs / ours * (0.05 / ours + 0.05 / theirs) + 0.005
+        assert abs(float(ratio.strip().rstrip("x")) - theirs / ours) <= slack

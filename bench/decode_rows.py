@@ -1,0 +1,97 @@
+"""How many rows a decode step should run in one C call: ms a step by its rows, the one call
+(``kernels.native.DecodeLayers``, the C linear up to ``linear_max_rows``) against layer by
+layer on torch's GEMM, in the same process on the same real-size shape.
+
+The row limits in ``kernels/native.py`` (``LINEAR_MAX_ROWS_BF16_*``, ``LINEAR_INT8_MAX_ROWS*``)
+come from this comparison: the one call wins up to the row count where the ratio falls under
+1. Each setting gets a fresh engine; each row count is timed over ``--tokens`` decode steps
+after the prefill, the best of ``--repeats`` alternations.
+
+    python -m bench.decode_rows --rows 1 2 4 8 16 24 32
+    python -m bench.decode_rows --quantization int8 --rows 8 16 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if sys.path and Path(sys.path[0]).resolve() == REPO_ROOT / "bench":
+    sys.path[0] = str(REPO_ROOT)
+
+from bench.shapes import SHAPES, write_shape  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from kernels import native  # noqa: E402
+
+
+def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
+    """ms a decode step of ``rows`` fresh 40-token prompts decoding together."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 + tokens, ignore_eos=True)
+    rng = random.Random(tag)
+    for i in range(rows):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(1, 5000) for _ in range(40)], params)
+    started: set[str] = set()
+    while len(started) < rows:  # the prefill, to every request's first token
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    begin, steps = time.perf_counter(), 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return (time.perf_counter() - begin) / steps * 1000
+
+
+# kernels.native's row limits of the bf16 and int8 C linears, as they are
+DEFAULTS = {name: getattr(native, name) for name in (
+    "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
+    "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_VNNI", "LINEAR_INT8_MAX_ROWS_VNNI_GROUPS")}
+
+
+def set_one_call_rows(limit: int | None) -> None:
+    """The C kernels' row limits as they are (None), or 0: every step layer by layer."""
+    for name, default in DEFAULTS.items():
+        setattr(native, name, default if limit is None else limit)
+    native.linear_max_rows.cache_clear()
+    native.linear_int8_max_rows.cache_clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
+    parser.add_argument("--models", type=Path, default=native.cache_dir() / "bench-models")
+    parser.add_argument("--quantization", choices=["int8"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    model_dir = args.models / args.shape
+    write_shape(args.shape, model_dir)
+    best: dict[tuple[str, int], float] = {}
+    for repeat in range(args.repeats):
+        for setting in ("one call", "torch"):
+            set_one_call_rows(None if setting == "one call" else 0)
+            engine = LLMEngine(EngineConfig(
+                model=str(model_dir), dtype="bfloat16", quantization=args.quantization,
+                enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29))
+            for rows in args.rows:
+                ms = step_ms(engine, rows, args.tokens, f"{setting}-{repeat}-{rows}")
+                best[setting, rows] = min(best.get((setting, rows), ms), ms)
+            del engine
+    set_one_call_rows(None)
+    limit = native.linear_max_rows(torch.bfloat16)
+    print(f"{args.shape}{', int8' if args.quantization else ''}: bf16 C rows here {limit}")
+    print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
+    print("|---|---|---|---|")
+    for rows in args.rows:
+        ours, theirs = best["one call", rows], best["torch", rows]
+        print(f"| {rows} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
