@@ -46,16 +46,19 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
     return (time.perf_counter() - begin) / steps * 1000
 
 
-# kernels.native's row limits of the bf16 and int8 C linears, as they are
-DEFAULTS = {name: getattr(native, name) for name in (
-    "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
+# kernels.native's row limits of the C linears, as they are (LINEAR_MAX_ROWS by dtype: bf16's
+# where the kernel widens it, on CPUs without AVX512-BF16)
+DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
+    "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_VNNI", "LINEAR_INT8_MAX_ROWS_VNNI_GROUPS")}
 
 
 def set_one_call_rows(limit: int | None) -> None:
     """The C kernels' row limits as they are (None), or 0: every step layer by layer."""
     for name, default in DEFAULTS.items():
-        setattr(native, name, default if limit is None else limit)
+        if limit is not None:  # a dict's keys stay: they name the dtypes the C linear takes
+            default = dict.fromkeys(default, limit) if isinstance(default, dict) else limit
+        setattr(native, name, default)
     native.linear_max_rows.cache_clear()
     native.linear_int8_max_rows.cache_clear()
 
