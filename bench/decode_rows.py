@@ -49,7 +49,8 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
 # kernels.native's row limits of the C linears, as they are (LINEAR_MAX_ROWS by dtype: bf16's
 # where the kernel widens it, on CPUs without AVX512-BF16)
 DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
-    "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
+    "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX",
+    "LINEAR_MAX_ROWS_BF16_AMX",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_VNNI", "LINEAR_INT8_MAX_ROWS_VNNI_GROUPS")}
 
 
