@@ -51,7 +51,7 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
 DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
     "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX",
     "LINEAR_MAX_ROWS_BF16_AMX",
-    "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_VNNI", "LINEAR_INT8_MAX_ROWS_VNNI_GROUPS")}
+    "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_FIXED", "LINEAR_INT8_MAX_ROWS_FIXED_GROUPS")}
 
 
 def set_one_call_rows(limit: int | None) -> None:

@@ -14,14 +14,17 @@
  *
  * Three paths, chosen at build time (where the compiler targets the instructions) and forced
  * to the portable one at run time by `portable` (the tests run each on one host):
- * - AVX512-VNNI, per-channel scales and groups of 32: x rows as int16 fixed point, 32 weights
- *   a load sign-extended to int16, vpdpwssd (see linear_vnni below: 4x fewer instructions a
- *   weight per channel, 2x for groups of 32).
+ * - fixed point, per-channel scales and groups of 32, with AVX512-VNNI or AVX2: x rows as
+ *   int16, 32 weights at a time sign-extended to int16, multiplied in pairs into int32 lanes
+ *   (see linear_fixed below: with VNNI 4x fewer instructions a weight than the float path per
+ *   channel, 2x for groups of 32; on a 2-core AVX2 EPYC a lone row went from 1.6 to 10.4 GB/s).
  * - AVX-512 (other groups): 16 int8 weights a load, sign-extended (vpmovsxbd) and
  *   converted (vcvtdq2ps) to float32, one FMA per x row.
- * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up).
+ * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up; on AVX2 the
+ *   weights widened by vpmovsxbd, which GCC 12 leaves to a byte at a time).
  * The float paths multiply exact values, so only the weights' rounding separates them from the
- * float model; the VNNI path adds x's rounding to int16, ~1e-4 of a row's largest value.
+ * float model; the fixed-point path adds x's rounding to int16, ~1e-4 of a row's largest
+ * value.
  *
  * x: [M, K] float32 or bf16, contiguous; q: [N, K] int8, contiguous; scale: [N, K / G]
  * float32, contiguous (G divides K); bias: [N] float32 or NULL; y: [M, N] float32, or bf16
@@ -30,8 +33,10 @@
 #include "cpu_common.h"
 
 #include <stdlib.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#ifdef __AVX512F__
 #define HAS_AVX512 1
 #else
 #define HAS_AVX512 0
@@ -40,6 +45,11 @@
 #define HAS_VNNI 1
 #else
 #define HAS_VNNI 0
+#endif
+#if HAS_VNNI || (defined(__AVX2__) && defined(__FMA__))
+#define HAS_FIXED 1 /* the fixed-point path: VNNI's, or AVX2's (vpmaddwd) */
+#else
+#define HAS_FIXED 0
 #endif
 
 #define ROWS 4       /* weight rows per tile */
@@ -63,6 +73,10 @@ INLINE vf load_q(const int8_t *p, const int avx512) {
         return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #endif
     (void)avx512;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    /* the same values: GCC 12 widens the generic vector below a byte at a time */
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
     return __builtin_convertvector(__builtin_convertvector(*(const vq_u *)p, vi), vf);
 }
 
@@ -167,71 +181,116 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
     }
 }
 
-#if HAS_VNNI
-/* Per-channel scales with AVX512-VNNI: x rows as int16 fixed point (each row's largest
- * magnitude at X16_MAX, rounded to nearest), 32 int8 weights sign-extended to int16 a load,
- * and vpdpwssd multiplying 32 pairs into 16 int32 lanes: two instructions for what the float
- * path takes eight (which left a core compute-bound at ~15 GB/s of int8 weights, under memory
- * speed). The lanes hold at most 256 steps (K_CHUNK inputs: 256 * 2 * X16_MAX * 127 < 2^31)
- * before they are added, as floats, to the row's total. x's rounding is at most half of
- * max|x_m| / X16_MAX an element, far below the weights' own (half a step of max|w_n| / 127),
- * and a row's result still depends on that row alone.
+#if HAS_FIXED
+/* The fixed-point path, per-channel scales: x rows as int16 fixed point (each row's largest
+ * magnitude at X16_MAX, rounded to nearest), 32 int8 weights sign-extended to int16 at a time,
+ * multiplied in pairs into int32 lanes (dot32: AVX512-VNNI's vpdpwssd, or AVX2's vpmaddwd and
+ * an add per 16): two instructions for what the float path takes eight with AVX-512 (which
+ * left a core compute-bound at ~15 GB/s of int8 weights, under memory speed), and on AVX2
+ * where the float path read 1.5-3 GB/s. The lanes hold at most 256 steps (K_CHUNK inputs; AVX2's
+ * 8 lanes then hold 1024 products: 1024 * X16_MAX * 128 < 2^31) before they are added, as
+ * floats, to the row's total. x's rounding is at most half of max|x_m| / X16_MAX an element,
+ * far below the weights' own (half a step of max|w_n| / 127), and a row's result still depends
+ * on that row alone. The int32 sums are exact, so AVX2 and VNNI differ only in the lanes'
+ * float adds (16 lanes or 8).
  *
- * Groups of 32 (GGUF's Q8_0): each group is one vpdpwssd from zero, its lanes converted to
- * float and multiplied by the group's scale (see group_sum); the float path took eight
- * instructions a group where this takes four. */
+ * Groups of 32 (GGUF's Q8_0): each group is one dot32 from zero, its lanes converted to float
+ * and multiplied by the group's scale (see group_sum); the float path took eight instructions
+ * a group where VNNI takes four. */
+#if HAS_VNNI
+typedef __m512i v32;  /* 32 int16 */
+typedef __m512i vacc; /* int32 lanes */
+typedef __m512 vfl;   /* float lanes */
+INLINE v32 x32_load(const int16_t *p) { return _mm512_loadu_si512(p); }
+INLINE v32 w32_load(const int8_t *p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+INLINE vacc dot32(vacc a, v32 x, v32 w) { return _mm512_dpwssd_epi32(a, x, w); }
+INLINE vacc acc_zero(void) { return _mm512_setzero_si512(); }
+INLINE vacc acc_add(vacc a, vacc b) { return _mm512_add_epi32(a, b); }
+INLINE vfl acc_float(vacc a) { return _mm512_cvtepi32_ps(a); }
+INLINE vfl fl_zero(void) { return _mm512_setzero_ps(); }
+INLINE vfl fl_set1(float f) { return _mm512_set1_ps(f); }
+INLINE vfl fl_add(vfl a, vfl b) { return _mm512_add_ps(a, b); }
+INLINE vfl fl_mul(vfl a, vfl b) { return _mm512_mul_ps(a, b); }
+INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE float fl_sum(vfl v) { return _mm512_reduce_add_ps(v); }
+#else
+typedef struct { __m256i lo, hi; } v32;
+typedef __m256i vacc;
+typedef __m256 vfl;
+INLINE v32 x32_load(const int16_t *p) {
+    return (v32){_mm256_loadu_si256((const __m256i *)p),
+                 _mm256_loadu_si256((const __m256i *)(p + 16))};
+}
+INLINE v32 w32_load(const int8_t *p) {
+    return (v32){_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)),
+                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)))};
+}
+INLINE vacc dot32(vacc a, v32 x, v32 w) {
+    return _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(x.lo, w.lo),
+                                                _mm256_madd_epi16(x.hi, w.hi)));
+}
+INLINE vacc acc_zero(void) { return _mm256_setzero_si256(); }
+INLINE vacc acc_add(vacc a, vacc b) { return _mm256_add_epi32(a, b); }
+INLINE vfl acc_float(vacc a) { return _mm256_cvtepi32_ps(a); }
+INLINE vfl fl_zero(void) { return _mm256_setzero_ps(); }
+INLINE vfl fl_set1(float f) { return _mm256_set1_ps(f); }
+INLINE vfl fl_add(vfl a, vfl b) { return _mm256_add_ps(a, b); }
+INLINE vfl fl_mul(vfl a, vfl b) { return _mm256_mul_ps(a, b); }
+INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE float fl_sum(vfl v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+#endif
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
 /* Output (m, n): the float lanes of its int32 sums, plus the last K % 32 inputs, scaled by x's
  * scale and the channel's (1 where the groups' scales are in the total already). */
-INLINE void store_vnni(__m512 total, const int16_t *xq, const float *xs, const int8_t *q,
+INLINE void store_fixed(vfl total, const int16_t *xq, const float *xs, const int8_t *q,
                        float channel_scale, const float *bias, void *y, int y_bf16, int64_t N,
                        int64_t K, int64_t Kp, int64_t m, int64_t n) {
     int64_t tail = 0;
     for (int64_t k = K - K % 32; k < K; k++)
         tail += (int64_t)xq[m * Kp + k] * q[n * K + k];
-    const float s = (_mm512_reduce_add_ps(total) + (float)tail) * xs[m] * channel_scale;
+    const float s = (fl_sum(total) + (float)tail) * xs[m] * channel_scale;
     store_out(y, y_bf16, m * N + n, s, bias, n);
 }
 
 /* One or two (`two`, a constant where inlined) groups of 32 of one output: x's int16 fixed
  * point by the int8 weights widened to int16 (x0, w0; x1, w1), each group's int32 lanes to
  * float times its scale, the pair summed before it joins the output's total (one add's latency
- * per 64 weights). tile_vnni and row_vnni both sum this way: the same bits. */
-INLINE __m512 group_sum(__m512i x0, __m512i w0, const float *s, __m512i x1, __m512i w1,
+ * per 64 weights). tile_fixed and row_fixed both sum this way: the same bits. */
+INLINE vfl group_sum(v32 x0, v32 w0, const float *s, v32 x1, v32 w1,
                         const int two) {
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, x0, w0)),
-                                   _mm512_set1_ps(s[0]));
+    const vfl t = fl_mul(acc_float(dot32(acc_zero(), x0, w0)),
+                                   fl_set1(s[0]));
     if (!two)
         return t;
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(zero, x1, w1)),
-                           _mm512_set1_ps(s[1]), t);
-}
-
-/* 32 int8 weights from p on, sign-extended to int16. */
-INLINE __m512i load_w16(const int8_t *p) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return fl_fmadd(acc_float(dot32(acc_zero(), x1, w1)),
+                           fl_set1(s[1]), t);
 }
 
 /* The groups k .. k + 32 (and k + 32 .. k + 64 with `two`) of a tile: weights loaded once for
  * the P x rows, x once for the R weight rows. */
 INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, int64_t K,
                         int64_t Kp, int64_t m0, int64_t n0, int64_t k, const int8_t *ahead,
-                        __m512 total[XROWS][ROWS], const int P, const int R, const int two) {
+                        vfl total[XROWS][ROWS], const int P, const int R, const int two) {
     const int64_t groups = K / 32;
-    __m512i w0[ROWS], w1[ROWS];
+    v32 w0[ROWS], w1[ROWS];
     for (int r = 0; r < R; r++) {
         __builtin_prefetch(ahead + r * K + k, 0, 3);
-        w0[r] = load_w16(q + (n0 + r) * K + k);
-        w1[r] = two ? load_w16(q + (n0 + r) * K + k + 32) : w0[r];
+        w0[r] = w32_load(q + (n0 + r) * K + k);
+        w1[r] = two ? w32_load(q + (n0 + r) * K + k + 32) : w0[r];
     }
     for (int p = 0; p < P; p++) {
-        const __m512i x0 = _mm512_loadu_si512(xq + (m0 + p) * Kp + k);
-        const __m512i x1 = two ? _mm512_loadu_si512(xq + (m0 + p) * Kp + k + 32) : x0;
+        const v32 x0 = x32_load(xq + (m0 + p) * Kp + k);
+        const v32 x1 = two ? x32_load(xq + (m0 + p) * Kp + k + 32) : x0;
         for (int r = 0; r < R; r++)
-            total[p][r] = _mm512_add_ps(
+            total[p][r] = fl_add(
                 total[p][r],
                 group_sum(x0, w0[r], scale + (n0 + r) * groups + k / 32, x1, w1[r], two));
     }
@@ -241,40 +300,40 @@ INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, 
  * summed in int32 lanes and added to the totals as floats. */
 INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp, int64_t m0,
                        int64_t n0, int64_t c0, int64_t c1, const int8_t *ahead,
-                       __m512 total[XROWS][ROWS], const int P, const int R) {
-    __m512i acc[XROWS][ROWS];
+                       vfl total[XROWS][ROWS], const int P, const int R) {
+    vacc acc[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            acc[p][r] = _mm512_setzero_si512();
+            acc[p][r] = acc_zero();
     for (int64_t k = c0; k < c1; k += 32) {
         if ((k & 63) == 0)
             for (int r = 0; r < R; r++)
                 __builtin_prefetch(ahead + r * K + k, 0, 3);
-        __m512i wv[ROWS];
+        v32 wv[ROWS];
         for (int r = 0; r < R; r++)
-            wv[r] = load_w16(q + (n0 + r) * K + k);
+            wv[r] = w32_load(q + (n0 + r) * K + k);
         for (int p = 0; p < P; p++) {
-            const __m512i xv = _mm512_loadu_si512(xq + (m0 + p) * Kp + k);
+            const v32 xv = x32_load(xq + (m0 + p) * Kp + k);
             for (int r = 0; r < R; r++)
-                acc[p][r] = _mm512_dpwssd_epi32(acc[p][r], xv, wv[r]);
+                acc[p][r] = dot32(acc[p][r], xv, wv[r]);
         }
     }
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            total[p][r] = _mm512_add_ps(total[p][r], _mm512_cvtepi32_ps(acc[p][r]));
+            total[p][r] = fl_add(total[p][r], acc_float(acc[p][r]));
 }
 
 /* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P, per-channel scales or (`grouped`) groups of
  * 32; P, R and grouped are constants where this is inlined. */
-INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
+INLINE void tile_fixed(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                       const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
                       int64_t Kp, int64_t m0, int64_t n0, const int P, const int R,
                       const int grouped) {
     const int8_t *ahead = q + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K;
-    __m512 total[XROWS][ROWS];
+    vfl total[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            total[p][r] = _mm512_setzero_ps();
+            total[p][r] = fl_zero();
     if (grouped) {
         const int64_t k2 = K - K % 64;
         for (int64_t k = 0; k < k2; k += 64)
@@ -289,17 +348,17 @@ INLINE void tile_vnni(const int16_t *xq, const float *xs, const int8_t *q, const
     }
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            store_vnni(total[p][r], xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16,
+            store_fixed(total[p][r], xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16,
                        N, K, Kp, m0 + p, n0 + r);
 }
 
 /* One x row by weight rows n0 .. n0 + R a row at a time, as cpu_linear.c reads for a lone
- * row (one sequential stream a thread, asking STREAM_AHEAD on). Per channel, VNNI_ACC int32
+ * row (one sequential stream a thread, asking STREAM_AHEAD on). Per channel, FIXED_ACC int32
  * accumulators for consecutive steps (one would wait on vpdpwssd's latency); integer sums are
- * exact. Groups of 32 are summed as tile_groups sums them. So the result is tile_vnni's, bit
+ * exact. Groups of 32 are summed as tile_groups sums them. So the result is tile_fixed's, bit
  * for bit. */
-#define VNNI_ACC 4
-INLINE void row_vnni(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
+#define FIXED_ACC 4
+INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                      const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t Kp,
                      int64_t m, int64_t n0, const int R, const int grouped) {
     const int64_t kv = K - K % 32, k2 = K - K % 64, groups = K / 32;
@@ -307,65 +366,65 @@ INLINE void row_vnni(const int16_t *xq, const float *xs, const int8_t *q, const 
     for (int r = 0; r < R; r++) {
         const int8_t *qr = q + (n0 + r) * K;
         const float *sr = scale + (n0 + r) * groups;
-        __m512 total = _mm512_setzero_ps();
+        vfl total = fl_zero();
         if (grouped) {
             for (int64_t k = 0; k < k2; k += 64) {
                 prefetch_stream(qr + k);
-                total = _mm512_add_ps(
-                    total, group_sum(_mm512_loadu_si512(xr + k), load_w16(qr + k), sr + k / 32,
-                                     _mm512_loadu_si512(xr + k + 32), load_w16(qr + k + 32), 1));
+                total = fl_add(
+                    total, group_sum(x32_load(xr + k), w32_load(qr + k), sr + k / 32,
+                                     x32_load(xr + k + 32), w32_load(qr + k + 32), 1));
             }
             if (k2 < K) {
-                const __m512i x0 = _mm512_loadu_si512(xr + k2), w0 = load_w16(qr + k2);
-                total = _mm512_add_ps(total, group_sum(x0, w0, sr + k2 / 32, x0, w0, 0));
+                const v32 x0 = x32_load(xr + k2), w0 = w32_load(qr + k2);
+                total = fl_add(total, group_sum(x0, w0, sr + k2 / 32, x0, w0, 0));
             }
         } else {
             for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
                 const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
-                __m512i acc[VNNI_ACC];
-                for (int a = 0; a < VNNI_ACC; a++)
-                    acc[a] = _mm512_setzero_si512();
+                vacc acc[FIXED_ACC];
+                for (int a = 0; a < FIXED_ACC; a++)
+                    acc[a] = acc_zero();
                 int64_t k = c0;
-                for (; k + VNNI_ACC * 32 <= c1; k += VNNI_ACC * 32) {
+                for (; k + FIXED_ACC * 32 <= c1; k += FIXED_ACC * 32) {
                     prefetch_stream(qr + k);
                     prefetch_stream(qr + k + 64);
-                    for (int a = 0; a < VNNI_ACC; a++)
-                        acc[a] = _mm512_dpwssd_epi32(acc[a], _mm512_loadu_si512(xr + k + 32 * a),
-                                                     load_w16(qr + k + 32 * a));
+                    for (int a = 0; a < FIXED_ACC; a++)
+                        acc[a] = dot32(acc[a], x32_load(xr + k + 32 * a),
+                                                     w32_load(qr + k + 32 * a));
                 }
                 for (; k < c1; k += 32)
-                    acc[0] = _mm512_dpwssd_epi32(acc[0], _mm512_loadu_si512(xr + k),
-                                                 load_w16(qr + k));
-                for (int a = 1; a < VNNI_ACC; a++)
-                    acc[0] = _mm512_add_epi32(acc[0], acc[a]);
-                total = _mm512_add_ps(total, _mm512_cvtepi32_ps(acc[0]));
+                    acc[0] = dot32(acc[0], x32_load(xr + k),
+                                                 w32_load(qr + k));
+                for (int a = 1; a < FIXED_ACC; a++)
+                    acc[0] = acc_add(acc[0], acc[a]);
+                total = fl_add(total, acc_float(acc[0]));
             }
         }
-        store_vnni(total, xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16, N, K, Kp,
+        store_fixed(total, xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16, N, K, Kp,
                    m, n0 + r);
     }
 }
 
-INLINE void rows_block_vnni(const int16_t *xq, const float *xs, const int8_t *q,
+INLINE void rows_block_fixed(const int16_t *xq, const float *xs, const int8_t *q,
                             const float *scale, const float *bias, void *y, int y_bf16,
                             int64_t m, int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t n0,
                             const int R, const int grouped) {
     if (M - m == 1) {
-        row_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R, grouped);
+        row_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R, grouped);
         return;
     }
     for (; m + XROWS <= M; m += XROWS)
-        tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R, grouped);
+        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R, grouped);
     switch (M - m) {
-    case 3: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 3, R, grouped); break;
-    case 2: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 2, R, grouped); break;
-    case 1: tile_vnni(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 1, R, grouped); break;
+    case 3: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 3, R, grouped); break;
+    case 2: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 2, R, grouped); break;
+    case 1: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 1, R, grouped); break;
     default: break;
     }
 }
 
 /* Per-channel scales, or (`grouped`, a constant where inlined) groups of 32. */
-INLINE void linear_vnni(const float *x, const int8_t *q, const float *scale, const float *bias,
+INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                         const int grouped, int num_threads) {
     const int64_t Kp = (K + 31) / 32 * 32;
@@ -387,10 +446,10 @@ INLINE void linear_vnni(const float *x, const int8_t *q, const float *scale, con
         const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < full; b++)
-            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS, ROWS,
+            rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS, ROWS,
                             grouped);
         for (int64_t n = full * ROWS; n < N; n++)
-            rows_block_vnni(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1, grouped);
+            rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1, grouped);
     }
     free(xq);
     free(xs);
@@ -408,11 +467,11 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
             widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = widened;
     }
-#if HAS_VNNI
+#if HAS_FIXED
     if (!portable && G == K)
-        linear_vnni(xf, q, scale, bias, y, y_bf16, M, N, K, 0, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0, num_threads);
     else if (!portable && G == 32)
-        linear_vnni(xf, q, scale, bias, y, y_bf16, M, N, K, 1, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, num_threads);
     else
 #endif
     /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
@@ -432,5 +491,7 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
  * other). */
 int linear_int8_has_avx512(void) { return HAS_AVX512; }
 
-/* Whether per-channel int8 weights take the VNNI path (x as int16 fixed point) in this build. */
+/* Whether per-channel int8 weights and groups of 32 take the fixed-point path (x as int16) in
+ * this build, and whether it runs on VNNI. */
+int linear_int8_has_fixed(void) { return HAS_FIXED; }
 int linear_int8_has_vnni(void) { return HAS_VNNI; }

@@ -19,8 +19,8 @@ C functions in its profiles (``labelled_for_profiler``).
   weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
   AVX512-BF16, when x is bf16 too).
 - ``cpu_int8.c``: weight-only int8 linear layers (``linear_int8``): int8 weights with a float32
-  scale per group of inputs, widened in registers (a VNNI path for scales per channel and per
-  32, an AVX-512 path, and a portable one).
+  scale per group of inputs (a fixed-point path, VNNI's or AVX2's, for scales per channel and
+  per 32; an AVX-512 path and a portable one widening the weights to float32 in registers).
 - ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
   kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
@@ -287,24 +287,26 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 # 0.54 against 0.58 at 64, 1.11 against 0.88 at 128). With groups of 32, or on the portable
 # path, the float path lost at 32 rows on SmolLM2's shapes (0.56 against 0.39 ms). Groups of 32
 # on the VNNI path (a 2-core Xeon with AMX, 2026-12-05, 8192x2048): 4.89 against 6.37 ms at 32
-# rows, 7.36 against 6.72 at 48.
+# rows, 7.36 against 6.72 at 48. The fixed-point path on AVX2 (a 2-core AVX2 EPYC, 2026-12-05,
+# 8192x2048, bf16 rows) won at every count to 48: per channel 34.9 against 60.9 ms at 32 rows,
+# groups of 32 44.6 against 50.9.
 LINEAR_INT8_MAX_ROWS = 8
-LINEAR_INT8_MAX_ROWS_VNNI = 64
-LINEAR_INT8_MAX_ROWS_VNNI_GROUPS = 32
+LINEAR_INT8_MAX_ROWS_FIXED = 64
+LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
 
 
 @cache
 def linear_int8_max_rows(group: int) -> int:
     """The most rows ``linear_int8`` runs in the C kernel for weights with a scale per
-    ``group`` inputs (0: one per output channel): where the kernel has the VNNI path (asked of
-    the built library, as ``linear_max_rows`` does), ``LINEAR_INT8_MAX_ROWS_VNNI`` per channel
-    and ``LINEAR_INT8_MAX_ROWS_VNNI_GROUPS`` for groups of 32 (Q8_0's); else
-    ``LINEAR_INT8_MAX_ROWS``."""
-    if library("cpu_int8").linear_int8_has_vnni():
+    ``group`` inputs (0: one per output channel): where the kernel has the fixed-point path
+    (VNNI's or AVX2's; asked of the built library, as ``linear_max_rows`` does),
+    ``LINEAR_INT8_MAX_ROWS_FIXED`` per channel and ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` for
+    groups of 32 (Q8_0's); else ``LINEAR_INT8_MAX_ROWS``."""
+    if library("cpu_int8").linear_int8_has_fixed():
         if group == 0:
-            return LINEAR_INT8_MAX_ROWS_VNNI
+            return LINEAR_INT8_MAX_ROWS_FIXED
         if group == 32:
-            return LINEAR_INT8_MAX_ROWS_VNNI_GROUPS
+            return LINEAR_INT8_MAX_ROWS_FIXED_GROUPS
     return LINEAR_INT8_MAX_ROWS
 
 

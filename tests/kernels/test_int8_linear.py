@@ -17,7 +17,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # groups of 32 (Q8_0's); 80 with 16, smaller than an AVX-512 vector.
 SHAPES = [(7, 13, None), (33, 100, None), (65, 96, 32), (130, 576, 32), (66, 1539, None),
           (9, 80, 16), (5, 8227, None)]
-X16_MAX = 16383  # cpu_int8.c's VNNI path: x rows as int16, each row's max magnitude at this
+X16_MAX = 16383  # cpu_int8.c's fixed-point path: x rows as int16, each row's max magnitude at this
 
 
 def _case(rows: int, n: int, k: int, group: int | None, seed: int = 0
@@ -43,14 +43,14 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype,
         float((got.float() - want.float()).abs().max()), tol)
 
 
-def _vnni_rounding(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+def _fixed_rounding(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                    portable: bool) -> torch.Tensor | None:
-    """The VNNI path's bound where it runs (per-channel scales or groups of 32, not forced
-    portable): each x rounded by at most half of its row's max / X16_MAX, times the weights'
-    magnitudes."""
+    """The fixed-point path's bound where it runs (VNNI or AVX2; per-channel scales or groups of
+    32, not forced portable): each x rounded by at most half of its row's max / X16_MAX, times
+    the weights' magnitudes."""
     group = q.shape[1] // scale.shape[1]
     if (portable or group not in (q.shape[1], 32)
-            or not native.library("cpu_int8").linear_int8_has_vnni()):
+            or not native.library("cpu_int8").linear_int8_has_fixed()):
         return None
     half_step = x.float().abs().amax(1, keepdim=True) / X16_MAX / 2  # [M, 1]
     return half_step * int8.dequantize(q, scale).abs().sum(1)[None, :] * (1 + 1e-3)
@@ -123,7 +123,7 @@ def test_c_kernel_matches_the_reference(rows: int, n: int, k: int, group: int | 
     want = int8.linear_reference(x, q, scale, bias)
     got = native.linear_int8_rows(x, q, scale, bias, portable=portable)
     assert got.dtype == dtype and got.shape == (rows, n)
-    rounding = _vnni_rounding(x, q, scale, portable)
+    rounding = _fixed_rounding(x, q, scale, portable)
     _assert_close(got, want, dtype, rounding)
     # without the bias too (a NULL pointer in C)
     _assert_close(native.linear_int8_rows(x, q, scale, portable=portable),
@@ -134,11 +134,13 @@ def test_the_build_has_the_avx512_paths_where_the_cpu_does() -> None:
     # Otherwise the "native" cases above test the portable path twice.
     lib, flags = native.library("cpu_int8"), native._cpu_flags().split()
     assert bool(lib.linear_int8_has_avx512()) == ("avx512f" in flags)
-    assert bool(lib.linear_int8_has_vnni()) == ("avx512_vnni" in flags and "avx512bw" in flags)
+    vnni = "avx512_vnni" in flags and "avx512bw" in flags
+    assert bool(lib.linear_int8_has_vnni()) == vnni
+    assert bool(lib.linear_int8_has_fixed()) == (vnni or {"avx2", "fma"} <= set(flags))
 
 
 @pytest.mark.parametrize("group", [None, 32], ids=["channel", "g32"])
-def test_vnni_path_is_closer_than_the_weights_rounding(group: int | None) -> None:
+def test_fixed_point_path_is_closer_than_the_weights_rounding(group: int | None) -> None:
     # x as int16 adds far less error than int8 weights: against the float model's product,
     # the kernel's error is within 1% more than the reference's (which only rounds weights).
     gen = torch.Generator().manual_seed(5)
@@ -150,7 +152,8 @@ def test_vnni_path_is_closer_than_the_weights_rounding(group: int | None) -> Non
     assert got_error <= ref_error * 1.01
 
 
-# past linear_int8_max_rows (8; on VNNI 64 per channel, 32 in groups of 32): dequantize + GEMM
+# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 32 in groups of 32):
+# dequantize + GEMM
 @pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
@@ -164,18 +167,18 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
     rows_kernel = native.linear_int8_rows
     monkeypatch.setattr(native, "linear_int8_rows", lambda x, *a, **kw: (
         kernel_rows.append(x.shape[0]), rows_kernel(x, *a, **kw))[1])
-    rounding = _vnni_rounding(x, q, scale, False) if in_kernel else None
+    rounding = _fixed_rounding(x, q, scale, False) if in_kernel else None
     _assert_close(native.linear_int8(x, q, scale, bias), int8.linear_reference(x, q, scale, bias),
                   dtype, rounding)
     assert kernel_rows == ([rows] if in_kernel else [])
 
 
-def test_the_vnni_path_takes_the_kernel_further() -> None:
-    # The VNNI path beats dequantize + GEMM to 64 rows per channel and 32 in groups of 32
-    # (bench/RESULTS.md); other groups and the other paths to 8.
-    vnni = bool(native.library("cpu_int8").linear_int8_has_vnni())
-    assert native.linear_int8_max_rows(0) == (64 if vnni else 8)
-    assert native.linear_int8_max_rows(32) == (32 if vnni else 8)
+def test_the_fixed_point_path_takes_the_kernel_further() -> None:
+    # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM to 64 rows per channel
+    # and 32 in groups of 32 (kernels/native.py); other groups and the other paths to 8.
+    fixed = bool(native.library("cpu_int8").linear_int8_has_fixed())
+    assert native.linear_int8_max_rows(0) == (64 if fixed else 8)
+    assert native.linear_int8_max_rows(32) == (32 if fixed else 8)
     assert native.linear_int8_max_rows(16) == 8
 
 
@@ -212,12 +215,25 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
 def test_a_row_does_not_depend_on_the_others(k: int, group: int | None,
                                              dtype: torch.dtype) -> None:
     # One order of reduction per output whatever the rows: the batch-invariant mode's linear.
-    # A lone row takes its own loop on the VNNI path (row_vnni): the same bits, from float32
-    # rows and from bf16 ones.
+    # A lone row takes its own loop on the fixed-point path (row_fixed): the same bits, from
+    # float32 rows and from bf16 ones.
     x, q, scale, bias = _case(17, 65, k, group)
     x = x.to(dtype)
     alone = torch.cat([native.linear_int8_rows(x[i : i + 1], q, scale, bias) for i in range(17)])
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias), alone)
+
+
+@pytest.mark.parametrize("weight", [127, -128], ids=["127", "-128"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_int32_lanes_hold_a_whole_chunk_at_its_largest(weight: int, rows: int) -> None:
+    # Every x at its row's largest magnitude (X16_MAX in fixed point) times the largest weights
+    # (-128 too: a GGUF's Q8_0 may hold it) over K_CHUNK inputs and one step more: the most an
+    # int32 lane holds before its flush (on AVX2, 1024 products a lane). Exact in float32.
+    k = 8192 + 32
+    q = torch.full((5, k), weight, dtype=torch.int8)
+    x = torch.ones(rows, k)
+    got = native.linear_int8_rows(x, q, torch.ones(5, 1))
+    assert torch.equal(got, torch.full((rows, 5), float(weight * k)))
 
 
 def test_the_reference_is_the_dequantized_product() -> None:
