@@ -198,24 +198,19 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
  * and multiplied by the group's scale (see group_sum); the float path took eight instructions
  * a group where VNNI takes four. */
 #if HAS_VNNI
-typedef __m512i v32;  /* 32 int16 */
-typedef __m512i vacc; /* int32 lanes */
-typedef __m512 vfl;   /* float lanes */
+#define MM(op) _mm512_##op /* an intrinsic of this width */
+typedef __m512i v32;       /* 32 int16 */
+typedef __m512i vacc;      /* int32 lanes */
+typedef __m512 vfl;        /* float lanes */
 INLINE v32 x32_load(const int16_t *p) { return _mm512_loadu_si512(p); }
 INLINE v32 w32_load(const int8_t *p) {
     return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
 }
 INLINE vacc dot32(vacc a, v32 x, v32 w) { return _mm512_dpwssd_epi32(a, x, w); }
 INLINE vacc acc_zero(void) { return _mm512_setzero_si512(); }
-INLINE vacc acc_add(vacc a, vacc b) { return _mm512_add_epi32(a, b); }
-INLINE vfl acc_float(vacc a) { return _mm512_cvtepi32_ps(a); }
-INLINE vfl fl_zero(void) { return _mm512_setzero_ps(); }
-INLINE vfl fl_set1(float f) { return _mm512_set1_ps(f); }
-INLINE vfl fl_add(vfl a, vfl b) { return _mm512_add_ps(a, b); }
-INLINE vfl fl_mul(vfl a, vfl b) { return _mm512_mul_ps(a, b); }
-INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE float fl_sum(vfl v) { return _mm512_reduce_add_ps(v); }
 #else
+#define MM(op) _mm256_##op
 typedef struct { __m256i lo, hi; } v32;
 typedef __m256i vacc;
 typedef __m256 vfl;
@@ -232,19 +227,19 @@ INLINE vacc dot32(vacc a, v32 x, v32 w) {
                                                 _mm256_madd_epi16(x.hi, w.hi)));
 }
 INLINE vacc acc_zero(void) { return _mm256_setzero_si256(); }
-INLINE vacc acc_add(vacc a, vacc b) { return _mm256_add_epi32(a, b); }
-INLINE vfl acc_float(vacc a) { return _mm256_cvtepi32_ps(a); }
-INLINE vfl fl_zero(void) { return _mm256_setzero_ps(); }
-INLINE vfl fl_set1(float f) { return _mm256_set1_ps(f); }
-INLINE vfl fl_add(vfl a, vfl b) { return _mm256_add_ps(a, b); }
-INLINE vfl fl_mul(vfl a, vfl b) { return _mm256_mul_ps(a, b); }
-INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE float fl_sum(vfl v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 #endif
+INLINE vacc acc_add(vacc a, vacc b) { return MM(add_epi32)(a, b); }
+INLINE vfl acc_float(vacc a) { return MM(cvtepi32_ps)(a); }
+INLINE vfl fl_zero(void) { return MM(setzero_ps)(); }
+INLINE vfl fl_set1(float f) { return MM(set1_ps)(f); }
+INLINE vfl fl_add(vfl a, vfl b) { return MM(add_ps)(a, b); }
+INLINE vfl fl_mul(vfl a, vfl b) { return MM(mul_ps)(a, b); }
+INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return MM(fmadd_ps)(a, b, c); }
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
