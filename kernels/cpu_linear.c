@@ -4,9 +4,12 @@
  * A decode step multiplies a few rows by every weight matrix, so it is bound by reading the
  * weights: each thread reads a contiguous run of output rows, ROWS at a time, and takes every
  * x row through them while they are in L1, so the weights cross the memory bus once per step.
- * Each tile asks for the next tile's weights as it reads its own (software prefetch: the
- * hardware prefetcher alone left a 2-core Xeon at 17.7 GB/s over SmolLM2's linears, against
- * 22.2 GB/s with it). bf16 weights are widened to float32 as they are read
+ * The tiles over a run of weight rows ask for the next rows' weights into L2 as they go, spread
+ * over all of them (software prefetch: the hardware prefetcher alone left a 2-core Xeon at 17.7
+ * GB/s over SmolLM2's linears, against 22.2 GB/s with a prefetch into L1 by the first tile; on
+ * a 2-core Zen 4 EPYC, into L2 and spread, Llama-3.2-1B's matrices in bf16 went from 24.8 to
+ * 29.3 GB/s at 4 rows, and with the weight vectors kept in registers (see tile) from 163 to
+ * 220 GFLOP/s at 8 rows and 237 to 328 at 32). bf16 weights are widened to float32 as they are read
  * (a shift or a mask, exact): a bf16 model reads half the bytes on CPUs without bf16
  * arithmetic, where torch's bf16 matmul is far slower than this.
  *
@@ -67,38 +70,54 @@ INLINE float hsum(vf v) {
 enum { F32_WEIGHTS, BF16_WIDENED, BF16_DOT };
 #ifdef __AVX512BF16__
 #define HAS_BF16_DOT 1
+/* A dot tile's 16 lanes summed as a tree (halves, then quarters...): the same order for every
+ * output and tile shape, in a few shuffles where hsum's 15 dependent adds were about a tenth
+ * of a 2048-wide tile's time. */
+INLINE float hsum_dot(vf v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
 #define HAS_BF16_DOT 0
+#define hsum_dot hsum
 #endif
 
 /* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P: each weight vector is loaded once for the P
  * rows. A widened bf16 step reads 2 * VL weights as VL 32-bit lanes holding an even and an odd
  * one: the even ones become floats by a shift, the odd ones by masking the low half, and `xa`
  * holds x with each step's even and odd elements apart to match (a float32 step reads x
- * itself, a dot step the bf16 x, `xh`). R, P and kind are constants where this is inlined. */
+ * itself, a dot step the bf16 x, `xh`). R, P and kind are constants where this is inlined.
+ *
+ * With R > 1 the tile also asks for its share of the next tile's weights into L2: the cache
+ * lines `line` .. `line + lines` past `ahead`, spread evenly over its steps (rows_block gives
+ * each of the tiles that pass the same weight rows its share, so the next rows arrive while
+ * all of them run, not only the first). */
 INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void *w,
                  const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t m0,
-                 int64_t n0, const int P, const int R, const int kind) {
+                 int64_t n0, const char *ahead, int64_t line, int64_t lines, const int P,
+                 const int R, const int kind) {
     const int bf16 = kind != F32_WEIGHTS;
     const int64_t step = bf16 ? 2 * VL : VL;
     const int64_t kv = K - K % step;
     const int64_t esize = bf16 ? 2 : 4;
-    /* the next tile's rows, or these again at the end of the matrix (never past it) */
-    const char *ahead = (const char *)w + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K * esize;
+    const int64_t steps = kv / step;
+    int64_t due = 0; /* lines * (steps so far) - steps * (lines asked for): Bresenham's count */
     vf acc[WIDE_XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
             acc[p][r] = (vf){0};
     for (int64_t k = 0; k < kv; k += step) {
-        for (int r = 0; r < R && R > 1; r++) /* a lone row is one stream: see rows_block */
-            __builtin_prefetch(ahead + (r * K + k) * esize, 0, 3);
+        if (R > 1) /* a lone row is one stream: see rows_block */
+            for (due += lines; due >= steps; due -= steps)
+                __builtin_prefetch(ahead + 64 * line++, 0, 2);
         if (R == 1)
             prefetch_stream((const char *)w + (n0 * K + k) * esize);
 #if HAS_BF16_DOT
         if (kind == BF16_DOT) {
             __m512bh pairs[ROWS];
-            for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++) {
                 pairs[r] = (__m512bh)_mm512_loadu_si512((const uint16_t *)w + (n0 + r) * K + k);
+                /* kept in a register for the P rows: gcc 12 loaded it again for each x row,
+                 * two loads a product (1.5x at 32 rows on a 2-core Zen 4 EPYC) */
+                __asm__("" : "+v"(pairs[r]));
+            }
             for (int p = 0; p < P; p++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + (m0 + p) * K + k);
                 for (int r = 0; r < R; r++)
@@ -108,21 +127,27 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
         }
 #endif
         if (bf16) {
-            vu pairs[ROWS];
-            for (int r = 0; r < R; r++)
-                pairs[r] = *(const vu_u *)((const uint16_t *)w + (n0 + r) * K + k);
+            vf lo[ROWS], hi[ROWS];
+            for (int r = 0; r < R; r++) {
+                const vu pairs = *(const vu_u *)((const uint16_t *)w + (n0 + r) * K + k);
+                lo[r] = (vf)(pairs << 16);
+                hi[r] = (vf)(pairs & 0xFFFF0000u);
+                __asm__("" : "+v"(lo[r]), "+v"(hi[r])); /* as the dot tile's pairs */
+            }
             for (int p = 0; p < P; p++) {
                 const vf even = *(const vf_u *)(xa + (m0 + p) * K + k);
                 const vf odd = *(const vf_u *)(xa + (m0 + p) * K + k + VL);
                 for (int r = 0; r < R; r++) {
-                    acc[p][r] += even * (vf)(pairs[r] << 16);
-                    acc[p][r] += odd * (vf)(pairs[r] & 0xFFFF0000u);
+                    acc[p][r] += even * lo[r];
+                    acc[p][r] += odd * hi[r];
                 }
             }
         } else {
             vf wv[ROWS];
-            for (int r = 0; r < R; r++)
+            for (int r = 0; r < R; r++) {
                 wv[r] = *(const vf_u *)((const float *)w + (n0 + r) * K + k);
+                __asm__("" : "+v"(wv[r])); /* as the dot tile's pairs */
+            }
             for (int p = 0; p < P; p++) {
                 const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
                 for (int r = 0; r < R; r++)
@@ -133,7 +158,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
     for (int p = 0; p < P; p++) {
         const float *xm = x + (m0 + p) * K;
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc[p][r]);
+            float s = kind == BF16_DOT ? hsum_dot(acc[p][r]) : hsum(acc[p][r]);
             for (int64_t k = kv; k < K; k++)
                 s += xm[k] * w_at(w, (n0 + r) * K + k, bf16);
             store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
@@ -156,16 +181,28 @@ INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, cons
                        int64_t K, int64_t n0, const int R, const int kind) {
     if (M - m == 1) { /* a lone x row: one weight row after another */
         for (int r = 0; r < R; r++)
-            tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0 + r, 1, 1, kind);
+            tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0 + r, NULL, 0, 0, 1, 1, kind);
         return;
     }
-    if (M - m >= WIDE_FROM)
-        for (; m + WIDE_XROWS <= M; m += WIDE_XROWS)
-            tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, WIDE_XROWS, R, kind);
-    for (; m + XROWS <= M; m += XROWS)
-        tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, XROWS, R, kind);
-    for (; m < M; m++)
-        tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, 1, R, kind);
+    const int wide = M - m >= WIDE_FROM;
+    const int64_t rest = wide ? (M - m) % WIDE_XROWS : M - m;
+    const int64_t passes = (wide ? (M - m) / WIDE_XROWS : 0) + rest / XROWS + rest % XROWS;
+    /* the next tile's rows, or these again at the end of the matrix (never past it) */
+    const int64_t esize = kind == F32_WEIGHTS ? 4 : 2;
+    const char *ahead = (const char *)w + (n0 + 2 * R <= N ? n0 + R : n0) * K * esize;
+    const int64_t lines = (R * K * esize + 63) / 64;
+    int64_t pass = 0;
+#define TILE(P)                                                                               \
+    tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0, ahead, pass * lines / passes,            \
+         (pass + 1) * lines / passes - pass * lines / passes, P, R, kind)
+    if (wide)
+        for (; m + WIDE_XROWS <= M; m += WIDE_XROWS, pass++)
+            TILE(WIDE_XROWS);
+    for (; m + XROWS <= M; m += XROWS, pass++)
+        TILE(XROWS);
+    for (; m < M; m++, pass++)
+        TILE(1);
+#undef TILE
 }
 
 INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, const void *w,
