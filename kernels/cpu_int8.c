@@ -273,11 +273,13 @@ INLINE vfl group_sum(v32 x0, v32 w0, const float *s, v32 x1, v32 w1,
  * the P x rows, x once for the R weight rows. */
 INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, int64_t K,
                         int64_t Kp, int64_t m0, int64_t n0, int64_t k, const int8_t *ahead,
-                        vfl total[XROWS][ROWS], const int P, const int R, const int two) {
+                        int ahead_rows, vfl total[XROWS][ROWS], const int P, const int R,
+                        const int two) {
     const int64_t groups = K / 32;
     v32 w0[ROWS], w1[ROWS];
     for (int r = 0; r < R; r++) {
-        __builtin_prefetch(ahead + r * K + k, 0, 3);
+        if (ahead_rows >> r & 1)
+            __builtin_prefetch(ahead + r * K + k, 0, 2);
         w0[r] = w32_load(q + (n0 + r) * K + k);
         w1[r] = two ? w32_load(q + (n0 + r) * K + k + 32) : w0[r];
     }
@@ -295,7 +297,7 @@ INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, 
  * summed in int32 lanes and added to the totals as floats. */
 INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp, int64_t m0,
                        int64_t n0, int64_t c0, int64_t c1, const int8_t *ahead,
-                       vfl total[XROWS][ROWS], const int P, const int R) {
+                       int ahead_rows, vfl total[XROWS][ROWS], const int P, const int R) {
     vacc acc[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
@@ -303,7 +305,8 @@ INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp
     for (int64_t k = c0; k < c1; k += 32) {
         if ((k & 63) == 0)
             for (int r = 0; r < R; r++)
-                __builtin_prefetch(ahead + r * K + k, 0, 3);
+                if (ahead_rows >> r & 1)
+                    __builtin_prefetch(ahead + r * K + k, 0, 2);
         v32 wv[ROWS];
         for (int r = 0; r < R; r++)
             wv[r] = w32_load(q + (n0 + r) * K + k);
@@ -319,11 +322,12 @@ INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp
 }
 
 /* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P, per-channel scales or (`grouped`) groups of
- * 32; P, R and grouped are constants where this is inlined. */
+ * 32; P, R and grouped are constants where this is inlined. The tile asks for the next tile's
+ * weight rows whose bits are set in `ahead_rows`, into L2 (rows_block_fixed shares them out). */
 INLINE void tile_fixed(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
                       const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
-                      int64_t Kp, int64_t m0, int64_t n0, const int P, const int R,
-                      const int grouped) {
+                      int64_t Kp, int64_t m0, int64_t n0, int ahead_rows, const int P,
+                      const int R, const int grouped) {
     const int8_t *ahead = q + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K;
     vfl total[XROWS][ROWS];
     for (int p = 0; p < P; p++)
@@ -332,14 +336,14 @@ INLINE void tile_fixed(const int16_t *xq, const float *xs, const int8_t *q, cons
     if (grouped) {
         const int64_t k2 = K - K % 64;
         for (int64_t k = 0; k < k2; k += 64)
-            tile_groups(xq, q, scale, K, Kp, m0, n0, k, ahead, total, P, R, 1);
+            tile_groups(xq, q, scale, K, Kp, m0, n0, k, ahead, ahead_rows, total, P, R, 1);
         if (k2 < K)
-            tile_groups(xq, q, scale, K, Kp, m0, n0, k2, ahead, total, P, R, 0);
+            tile_groups(xq, q, scale, K, Kp, m0, n0, k2, ahead, ahead_rows, total, P, R, 0);
     } else {
         const int64_t kv = K - K % 32;
         for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK)
             tile_chunk(xq, q, K, Kp, m0, n0, c0, c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv, ahead,
-                       total, P, R);
+                       ahead_rows, total, P, R);
     }
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
@@ -400,6 +404,15 @@ INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const
     }
 }
 
+/* The rows of ROWS whose next-tile prefetch tile `j` of `passes` makes (see rows_block_fixed). */
+INLINE int ahead_rows(int64_t j, int64_t passes) {
+    int mask = 0;
+    for (int r = 0; r < ROWS; r++)
+        if (r % passes == j)
+            mask |= 1 << r;
+    return mask;
+}
+
 INLINE void rows_block_fixed(const int16_t *xq, const float *xs, const int8_t *q,
                             const float *scale, const float *bias, void *y, int y_bf16,
                             int64_t m, int64_t M, int64_t N, int64_t K, int64_t Kp, int64_t n0,
@@ -408,12 +421,27 @@ INLINE void rows_block_fixed(const int16_t *xq, const float *xs, const int8_t *q
         row_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, R, grouped);
         return;
     }
-    for (; m + XROWS <= M; m += XROWS)
-        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, XROWS, R, grouped);
+    /* The tiles that pass these weight rows share out asking for the next ones: with `passes`
+     * of them, tile j the rows r with r % passes == j (with more passes than rows, tile r row r
+     * and the rest none), so the next rows arrive while all of them run, not only the first.
+     * On a 2-core Zen 4 EPYC, per-channel int8 by the 1B's matrices read at 21-22 GB/s at 2-4
+     * rows when the first tile asked for every row into L1, against 34 for a lone row. */
+    const int64_t passes = (M - m) / XROWS + ((M - m) % XROWS != 0);
+    int64_t j = 0;
+    for (; m + XROWS <= M; m += XROWS, j++)
+        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, ahead_rows(j, passes),
+                   XROWS, R, grouped);
+    const int last = ahead_rows(j, passes);
     switch (M - m) {
-    case 3: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 3, R, grouped); break;
-    case 2: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 2, R, grouped); break;
-    case 1: tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, 1, R, grouped); break;
+    case 3:
+        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, last, 3, R, grouped);
+        break;
+    case 2:
+        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, last, 2, R, grouped);
+        break;
+    case 1:
+        tile_fixed(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0, last, 1, R, grouped);
+        break;
     default: break;
     }
 }
