@@ -138,10 +138,11 @@ def _compiler() -> str:
 
 
 @cache
-def library(name: str) -> ctypes.CDLL:
-    """The compiled kernels of ``kernels/<name>.c``, built on first use."""
+def library(name: str, sources: Path | None = None) -> ctypes.CDLL:
+    """The compiled kernels of ``kernels/<name>.c``, built on first use; or of ``<name>.c`` in
+    ``sources`` with its headers (another revision's, for ``bench/kernel_ab.py``)."""
     extra, functions = LIBRARIES[name]
-    source = Path(__file__).with_name(f"{name}.c")
+    source = (sources or Path(__file__).parent) / f"{name}.c"
     flags = (*CFLAGS, *extra)
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,26 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ours, theirs = float(ours_ms), float(theirs_ms)
         slack = theirs / ours * (0.05 / ours + 0.05 / theirs) + 0.005
         assert abs(float(ratio.strip().rstrip("x")) - theirs / ours) <= slack
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_kernel_ab_against_head_on_a_tiny_shape(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kind: str) -> None:
+    """bench/kernel_ab.py: HEAD's kernel built from git beside the tree's, a row per row count,
+    and the same bits where the tree's kernels are HEAD's."""
+    from bench import kernel_ab, shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16))
+    assert kernel_ab.main(["--base", "HEAD", "--kind", kind, "--shape", "tiny", "--layers", "1",
+                           "--rows", "1", "9", "--repeats", "1"]) == 0
+    rows = [line.split("|")[1:6] for line in capsys.readouterr().out.splitlines()
+            if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1, 9]
+    assert [r[1].split()[1] for r in rows] == ["GB/s", "GFLOP/s"]
+    assert all(float(r[3].strip().rstrip("x")) > 0 for r in rows)
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
+                               cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
+    if unchanged:
+        assert [r[4].strip() for r in rows] == ["same", "same"]
