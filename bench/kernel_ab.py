@@ -6,13 +6,20 @@ The weights are ``--layers`` layers of a shape's four matrices (qkv, o, gate_up,
 caches at the real sizes), random; each row count is timed best of ``--repeats`` passes over
 all of them, the two builds taking turns.
 
+``--kind attention`` compares ``cpu_decode.c``'s paged decode attention instead: ``--rows``
+sequences of ``--context`` tokens each, over ``--layers`` layers' bf16 KV caches of the shape's
+heads in blocks of ``--block-size`` (the CPU's default, 8) scattered over the pool as an
+engine's are after some churn; GB/s of K and V read.
+
     python -m bench.kernel_ab --base HEAD~1 --kind bf16 --rows 1 2 4 8 16 32
     python -m bench.kernel_ab --base HEAD~1 --kind int8 --rows 1 4 8
+    python -m bench.kernel_ab --base HEAD~1 --kind attention --rows 1 8 32 --context 256
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import subprocess
 import sys
 import tempfile
@@ -36,6 +43,7 @@ KINDS = {
     "float32": ("cpu_linear", torch.float32, torch.float32, None),
     "int8": ("cpu_int8", torch.int8, torch.bfloat16, 0),  # per output channel
     "int8-g32": ("cpu_int8", torch.int8, torch.bfloat16, 32),
+    "attention": ("cpu_decode", torch.bfloat16, torch.bfloat16, None),  # bf16 KV, float32 q
 }
 
 
@@ -79,17 +87,63 @@ def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None
     return call_linear
 
 
+def attention_ab(calls: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
+    """The table of ``--kind attention``: each build's paged_decode over the same caches."""
+    c = SHAPES[args.shape]
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    dim = c.get("head_dim", c["hidden_size"] // heads)
+    bs, threads = args.block_size, torch.get_num_threads()
+    print("| rows | base | tree | tree/base | bits |\n|---|---|---|---|---|")
+    for m in args.rows:
+        blocks = -(-args.context // bs)
+        caches = [(torch.randn(m * blocks, bs, kv_heads, dim).to(torch.bfloat16),
+                   torch.randn(m * blocks, bs, kv_heads, dim).to(torch.bfloat16))
+                  for _ in range(args.layers)]
+        tables = torch.randperm(m * blocks).to(torch.int32).reshape(m, blocks)
+        lens = torch.full((m,), args.context, dtype=torch.int32)
+        query = torch.randn(m, heads, dim).to(torch.bfloat16).float()  # as a bf16 model's
+        outs = {b: (torch.empty(m, heads, dim), torch.empty(m, heads)) for b in calls}
+        best = dict.fromkeys(calls, float("inf"))
+        for _ in range(args.repeats):
+            for build, lib in calls.items():
+                out, lse = outs[build]
+                started = time.perf_counter()
+                for keys, values in caches:
+                    lib.paged_decode(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
+                                     native.DTYPE_CODES[torch.bfloat16], tables.data_ptr(),
+                                     blocks, lens.data_ptr(), m, heads, kv_heads, dim, bs,
+                                     ctypes.c_float(dim ** -0.5), out.data_ptr(), lse.data_ptr(),
+                                     None, 0, None, None, threads)
+                best[build] = min(best[build], time.perf_counter() - started)
+        same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"], strict=True))
+        nbytes = 2 * m * args.context * kv_heads * dim * 2 * args.layers
+        print(f"| {m} | {nbytes / best['base'] / 1e9:.1f} GB/s | "
+              f"{nbytes / best['tree'] / 1e9:.1f} GB/s | {best['base'] / best['tree']:.2f}x | "
+              f"{'same' if same else 'differ'} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--kind", choices=KINDS, default="bf16")
     parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=256, help="attention: tokens a row")
+    parser.add_argument("--block-size", type=int, default=8, help="attention: tokens a block")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args(argv)
     name, w_dtype, x_dtype, group = KINDS[args.kind]
     torch.manual_seed(0)
+    if args.kind == "attention":
+        with tempfile.TemporaryDirectory() as tmp:
+            libs = {"base": native.library(name, sources_at(args.base, Path(tmp))),
+                    "tree": native.library(name)}
+        print(f"attention ({name}.c), {args.shape} heads, {args.layers} layers, {args.context} "
+              f"tokens a row in blocks of {args.block_size}: the tree against {args.base}, "
+              f"{torch.get_num_threads()} threads")
+        attention_ab(libs, args)
+        return 0
     weights: list[tuple] = []
     for n, k in matrices(args.shape, args.layers):
         w = torch.randn(n, k)

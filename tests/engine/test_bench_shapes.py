@@ -137,3 +137,30 @@ def test_kernel_ab_against_head_on_a_tiny_shape(
                                cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
     if unchanged:
         assert [r[4].strip() for r in rows] == ["same", "same"]
+
+
+def test_kernel_ab_compares_decode_attention(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/kernel_ab.py --kind attention: HEAD's cpu_decode.c against the tree's on the
+    shape's heads, GB/s of K and V a row count, the same bits where kernels/ is unchanged."""
+    from bench import kernel_ab, shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32))
+    assert kernel_ab.main(["--base", "HEAD", "--kind", "attention", "--shape", "tiny",
+                           "--layers", "2", "--rows", "1", "3", "--context", "21",
+                           "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers, 21 tokens a row in blocks of 8" in out
+    rows = [line.split("|")[1:6] for line in out.splitlines() if re.match(r"\| \d", line)]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    assert all(r[1].split()[1] == r[2].split()[1] == "GB/s" for r in rows)
+    for _, base, tree, ratio, _ in rows:  # GB/s printed to 0.05, the ratio to 0.005
+        b, t = float(base.split()[0]), float(tree.split()[0])
+        slack = t / b * (0.05 / b + 0.05 / t) + 0.005
+        assert abs(float(ratio.strip().rstrip("x")) - t / b) <= slack
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
+                               cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
+    if unchanged:
+        assert [r[4].strip() for r in rows] == ["same", "same"]
