@@ -254,7 +254,12 @@ class LlamaForCausalLM(nn.Module):
         self.scale = softmax_scale(self.head_dim)
         with torch.device("cpu"):  # float32 tables, as transformers computes them
             self.rotary = Rotary(config, self.head_dim, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Uninitialized (the weights are loaded; empty() builds on the meta device): a random
+        # init there goes through torch's Python decompositions, which import torch._dynamo and
+        # with it triton, 100 MB of a CPU process's memory that nothing else needs.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size))
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend) for _ in range(config.num_hidden_layers)
         )

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,6 +74,25 @@ def test_an_unsupported_architecture_is_named_in_one_line(
     with pytest.raises(ValueError) as err:
         LLMEngine(EngineConfig(model=str(model_dir), num_kv_blocks=16))
     assert "'gemma2' is not supported" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_cpu_engine_never_imports_dynamo_or_triton(tiny_model: Path) -> None:
+    """Loading and serving on the CPU leaves torch._dynamo and triton unimported: a random init
+    on the meta device would import both (100 MB of a process's memory, a second of its
+    start). A fresh process, since this one may have imported them for other tests."""
+    script = (
+        "import sys\n"
+        "from engine import EngineConfig, LLMEngine\n"
+        f"engine = LLMEngine(EngineConfig(model={str(tiny_model)!r}, device='cpu', "
+        "num_kv_blocks=16, max_model_len=64))\n"
+        "loaded = sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules)\n"
+        "engine.generate([[1, 2, 3]])\n"
+        "served = sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules)\n"
+        "print(loaded, served)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.splitlines()[-1] == "[] []"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
