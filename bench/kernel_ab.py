@@ -7,8 +7,8 @@ caches at the real sizes), random; each row count is timed best of ``--repeats``
 all of them, the two builds taking turns.
 
 ``--kind attention`` compares ``cpu_decode.c``'s paged decode attention instead: ``--rows``
-sequences of ``--context`` tokens each, over ``--layers`` layers' bf16 KV caches of the shape's
-heads in blocks of ``--block-size`` (the CPU's default, 8) scattered over the pool as an
+sequences of ``--context`` tokens each, over ``--layers`` (16) layers' bf16 KV caches of the
+shape's heads in blocks of ``--block-size`` (the CPU's default, 8) scattered over the pool as an
 engine's are after some churn; GB/s of K and V read.
 
     python -m bench.kernel_ab --base HEAD~1 --kind bf16 --rows 1 2 4 8 16 32
@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", required=True, help="the git revision to compare against")
     parser.add_argument("--kind", choices=KINDS, default="bf16")
     parser.add_argument("--shape", choices=SHAPES, default="llama-3.2-1b")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int,
+                        help="layers of weights or KV caches (4, attention 16: past the caches)")
     parser.add_argument("--context", type=int, default=256, help="attention: tokens a row")
     parser.add_argument("--block-size", type=int, default=8, help="attention: tokens a block")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args(argv)
     name, w_dtype, x_dtype, group = KINDS[args.kind]
+    args.layers = args.layers or (16 if args.kind == "attention" else 4)
     torch.manual_seed(0)
     if args.kind == "attention":
         with tempfile.TemporaryDirectory() as tmp:
