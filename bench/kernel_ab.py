@@ -117,8 +117,8 @@ def attention_ab(calls: dict[str, ctypes.CDLL], args: argparse.Namespace) -> Non
                 best[build] = min(best[build], time.perf_counter() - started)
         same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"], strict=True))
         nbytes = 2 * m * args.context * kv_heads * dim * 2 * args.layers
-        print(f"| {m} | {nbytes / best['base'] / 1e9:.1f} GB/s | "
-              f"{nbytes / best['tree'] / 1e9:.1f} GB/s | {best['base'] / best['tree']:.2f}x | "
+        print(f"| {m} | {nbytes / best['base'] / 1e9:.3g} GB/s | "
+              f"{nbytes / best['tree'] / 1e9:.3g} GB/s | {best['base'] / best['tree']:.2f}x | "
               f"{'same' if same else 'differ'} |")
 
 

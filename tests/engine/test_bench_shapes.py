@@ -156,9 +156,9 @@ def test_kernel_ab_compares_decode_attention(
     rows = [line.split("|")[1:6] for line in out.splitlines() if re.match(r"\| \d", line)]
     assert [int(r[0]) for r in rows] == [1, 3]
     assert all(r[1].split()[1] == r[2].split()[1] == "GB/s" for r in rows)
-    for _, base, tree, ratio, _ in rows:  # GB/s printed to 0.05, the ratio to 0.005
+    for _, base, tree, ratio, _ in rows:  # GB/s to 3 significant digits, the ratio to 0.005
         b, t = float(base.split()[0]), float(tree.split()[0])
-        slack = t / b * (0.05 / b + 0.05 / t) + 0.005
+        slack = t / b * 0.012 + 0.005
         assert abs(float(ratio.strip().rstrip("x")) - t / b) <= slack
     unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
                                cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
