@@ -4,6 +4,7 @@ into its dtype, and a one-line refusal of what cannot load."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from engine import EngineConfig, LLMEngine
 from engine.models import loader
 from engine.models.llama import LlamaForCausalLM
-from kernels import get_ops
+from kernels import BACKEND_ENV, get_ops
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -90,8 +91,9 @@ def test_a_cpu_engine_never_imports_dynamo_or_triton(tiny_model: Path) -> None:
         "served = sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules)\n"
         "print(loaded, served)\n"
     )
+    env = {k: v for k, v in os.environ.items() if k != BACKEND_ENV}  # the CPU's own backend
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[2]).stdout
+                         text=True, cwd=Path(__file__).resolve().parents[2], env=env).stdout
     assert out.splitlines()[-1] == "[] []"
 
 
