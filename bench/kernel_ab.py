@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -87,13 +88,55 @@ def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None
     return call_linear
 
 
-def attention_ab(calls: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
+def builds(name: str, base: str) -> dict[str, ctypes.CDLL]:
+    """``kernels/<name>.c`` as it was at ``base`` and as it is in the tree, built alike."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return {"base": native.library(name, sources_at(base, Path(tmp))),
+                "tree": native.library(name)}
+
+
+def best_of(runs: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Each build's best seconds over ``repeats`` rounds, the builds taking turns."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for build, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[build] = min(best[build], time.perf_counter() - started)
+    return best
+
+
+def print_row(m: int, rates: list[str], best: dict[str, float],
+              outs: dict[str, list[torch.Tensor]]) -> None:
+    """A table row: the two builds' rates, the tree's speed over the base's, and whether every
+    output is the same bits."""
+    same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"], strict=True))
+    print(f"| {m} | {rates[0]} | {rates[1]} | {best['base'] / best['tree']:.2f}x | "
+          f"{'same' if same else 'differ'} |")
+
+
+def linears(call: Callable[[torch.Tensor, tuple, torch.Tensor], None], weights: list[tuple],
+            xs: dict[int, torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """One build's pass over every matrix, into its outputs."""
+    for w, y in zip(weights, outs, strict=True):
+        call(xs[w[0].shape[1]], w, y)
+
+
+def decode_layers(lib: ctypes.CDLL, query: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
+                  head: tuple, outs: list[torch.Tensor], threads: int) -> None:
+    """One build's decode attention over every layer's caches, into its output and lse."""
+    out, lse = outs
+    for keys, values in caches:
+        lib.paged_decode(query.data_ptr(), keys.data_ptr(), values.data_ptr(), *head,
+                         out.data_ptr(), lse.data_ptr(), None, 0, None, None, threads)
+
+
+def attention_ab(libs: dict[str, ctypes.CDLL], args: argparse.Namespace) -> None:
     """The table of ``--kind attention``: each build's paged_decode over the same caches."""
     c = SHAPES[args.shape]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     dim = c.get("head_dim", c["hidden_size"] // heads)
     bs, threads = args.block_size, torch.get_num_threads()
-    print("| rows | base | tree | tree/base | bits |\n|---|---|---|---|---|")
     for m in args.rows:
         blocks = -(-args.context // bs)
         caches = [(torch.randn(m * blocks, bs, kv_heads, dim).to(torch.bfloat16),
@@ -102,24 +145,16 @@ def attention_ab(calls: dict[str, ctypes.CDLL], args: argparse.Namespace) -> Non
         tables = torch.randperm(m * blocks).to(torch.int32).reshape(m, blocks)
         lens = torch.full((m,), args.context, dtype=torch.int32)
         query = torch.randn(m, heads, dim).to(torch.bfloat16).float()  # as a bf16 model's
-        outs = {b: (torch.empty(m, heads, dim), torch.empty(m, heads)) for b in calls}
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(args.repeats):
-            for build, lib in calls.items():
-                out, lse = outs[build]
-                started = time.perf_counter()
-                for keys, values in caches:
-                    lib.paged_decode(query.data_ptr(), keys.data_ptr(), values.data_ptr(),
-                                     native.DTYPE_CODES[torch.bfloat16], tables.data_ptr(),
-                                     blocks, lens.data_ptr(), m, heads, kv_heads, dim, bs,
-                                     ctypes.c_float(dim ** -0.5), out.data_ptr(), lse.data_ptr(),
-                                     None, 0, None, None, threads)
-                best[build] = min(best[build], time.perf_counter() - started)
-        same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"], strict=True))
+        outs = {b: [torch.empty(m, heads, dim), torch.empty(m, heads)] for b in libs}
+        # paged_decode's arguments between the caches' pointers and the outputs'
+        head = (native.DTYPE_CODES[torch.bfloat16], tables.data_ptr(), blocks, lens.data_ptr(),
+                m, heads, kv_heads, dim, bs, ctypes.c_float(dim ** -0.5))
+        runs = {b: partial(decode_layers, libs[b], query, caches, head, outs[b], threads)
+                for b in libs}
+        best = best_of(runs, args.repeats)
         nbytes = 2 * m * args.context * kv_heads * dim * 2 * args.layers
-        print(f"| {m} | {nbytes / best['base'] / 1e9:.3g} GB/s | "
-              f"{nbytes / best['tree'] / 1e9:.3g} GB/s | {best['base'] / best['tree']:.2f}x | "
-              f"{'same' if same else 'differ'} |")
+        print_row(m, [f"{nbytes / best[b] / 1e9:.3g} GB/s" for b in ("base", "tree")], best,
+                  outs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,13 +172,17 @@ def main(argv: list[str] | None = None) -> int:
     name, w_dtype, x_dtype, group = KINDS[args.kind]
     args.layers = args.layers or (16 if args.kind == "attention" else 4)
     torch.manual_seed(0)
+    libs = builds(name, args.base)
+    threads = torch.get_num_threads()
     if args.kind == "attention":
-        with tempfile.TemporaryDirectory() as tmp:
-            libs = {"base": native.library(name, sources_at(args.base, Path(tmp))),
-                    "tree": native.library(name)}
         print(f"attention ({name}.c), {args.shape} heads, {args.layers} layers, {args.context} "
               f"tokens a row in blocks of {args.block_size}: the tree against {args.base}, "
-              f"{torch.get_num_threads()} threads")
+              f"{threads} threads")
+    else:
+        print(f"{args.kind} ({name}.c), {args.shape} x {args.layers} layers: the tree against "
+              f"{args.base}, {threads} threads")
+    print("| rows | base | tree | tree/base | bits |\n|---|---|---|---|---|")
+    if args.kind == "attention":
         attention_ab(libs, args)
         return 0
     weights: list[tuple] = []
@@ -153,29 +192,16 @@ def main(argv: list[str] | None = None) -> int:
                        else (w.to(w_dtype),))
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w[:1])
     macs = sum(w[0].numel() for w in weights)
-    with tempfile.TemporaryDirectory() as tmp:
-        calls = {"base": caller(native.library(name, sources_at(args.base, Path(tmp))), args.kind),
-                 "tree": caller(native.library(name), args.kind)}
-    print(f"{args.kind} ({name}.c), {args.shape} x {args.layers} layers: the tree against "
-          f"{args.base}, {torch.get_num_threads()} threads")
-    print("| rows | base | tree | tree/base | bits |\n|---|---|---|---|---|")
+    calls = {b: caller(lib, args.kind) for b, lib in libs.items()}
     for m in args.rows:
         xs = {k: torch.randn(m, k).to(x_dtype) for k in {w[0].shape[1] for w in weights}}
         outs = {b: [torch.empty(m, w[0].shape[0], dtype=x_dtype) for w in weights] for b in calls}
-        best = dict.fromkeys(calls, float("inf"))
-        for _ in range(args.repeats):
-            for build, call in calls.items():
-                started = time.perf_counter()
-                for w, y in zip(weights, outs[build], strict=True):
-                    call(xs[w[0].shape[1]], w, y)
-                best[build] = min(best[build], time.perf_counter() - started)
-        same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"], strict=True))
-        rates = [f"{2 * m * macs / s / 1e9:.0f} GFLOP/s" if m >= 8 else
-                 f"{nbytes / s / 1e9:.1f} GB/s" for s in (best["base"], best["tree"])]
-        print(f"| {m} | {rates[0]} | {rates[1]} | "
-              f"{best['base'] / best['tree']:.2f}x | {'same' if same else 'differ'} |")
-    return 0
 
+        best = best_of({b: partial(linears, calls[b], weights, xs, outs[b]) for b in calls},
+                       args.repeats)
+        print_row(m, [f"{2 * m * macs / best[b] / 1e9:.0f} GFLOP/s" if m >= 8 else
+                      f"{nbytes / best[b] / 1e9:.1f} GB/s" for b in ("base", "tree")], best, outs)
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())

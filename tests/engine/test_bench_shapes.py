@@ -116,6 +116,16 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert abs(float(ratio.strip().rstrip("x")) - theirs / ours) <= slack
 
 
+TINY_AB_SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                     num_key_value_heads=2)
+
+
+def _kernels_at_head() -> bool:
+    """Whether the tree's kernels/ is HEAD's, so that kernel_ab against HEAD gives the same bits."""
+    return subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
+                          cwd=Path(__file__).resolve().parents[2]).returncode == 0
+
+
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_kernel_ab_against_head_on_a_tiny_shape(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kind: str) -> None:
@@ -123,9 +133,7 @@ def test_kernel_ab_against_head_on_a_tiny_shape(
     and the same bits where the tree's kernels are HEAD's."""
     from bench import kernel_ab, shapes
 
-    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16))
+    monkeypatch.setitem(shapes.SHAPES, "tiny", {**TINY_AB_SHAPE, "head_dim": 16})
     assert kernel_ab.main(["--base", "HEAD", "--kind", kind, "--shape", "tiny", "--layers", "1",
                            "--rows", "1", "9", "--repeats", "1"]) == 0
     rows = [line.split("|")[1:6] for line in capsys.readouterr().out.splitlines()
@@ -133,9 +141,7 @@ def test_kernel_ab_against_head_on_a_tiny_shape(
     assert [int(r[0]) for r in rows] == [1, 9]
     assert [r[1].split()[1] for r in rows] == ["GB/s", "GFLOP/s"]
     assert all(float(r[3].strip().rstrip("x")) > 0 for r in rows)
-    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
-                               cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
-    if unchanged:
+    if _kernels_at_head():
         assert [r[4].strip() for r in rows] == ["same", "same"]
 
 
@@ -145,9 +151,7 @@ def test_kernel_ab_compares_decode_attention(
     shape's heads, GB/s of K and V a row count, the same bits where kernels/ is unchanged."""
     from bench import kernel_ab, shapes
 
-    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
-        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32))
+    monkeypatch.setitem(shapes.SHAPES, "tiny", {**TINY_AB_SHAPE, "head_dim": 32})
     assert kernel_ab.main(["--base", "HEAD", "--kind", "attention", "--shape", "tiny",
                            "--layers", "2", "--rows", "1", "3", "--context", "21",
                            "--repeats", "1"]) == 0
@@ -160,7 +164,5 @@ def test_kernel_ab_compares_decode_attention(
         b, t = float(base.split()[0]), float(tree.split()[0])
         slack = t / b * 0.012 + 0.005
         assert abs(float(ratio.strip().rstrip("x")) - t / b) <= slack
-    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "kernels/"],
-                               cwd=Path(kernel_ab.__file__).parents[1]).returncode == 0
-    if unchanged:
+    if _kernels_at_head():
         assert [r[4].strip() for r in rows] == ["same", "same"]
