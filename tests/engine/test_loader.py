@@ -77,6 +77,18 @@ def test_an_unsupported_architecture_is_named_in_one_line(
     assert "'gemma2' is not supported" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_model_built_on_the_meta_device_allocates_nothing(tiny_model: Path) -> None:
+    """Every parameter and the embedding's table stay on the meta device (an init or a table
+    made on the host would cost its bytes before the weights arrive); only the RoPE tables are
+    computed, on the host."""
+    config = loader.load_config(tiny_model)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, get_ops("cpu"), 64)
+    assert all(p.is_meta for p in model.parameters())
+    assert [name for name, b in model.named_buffers() if not b.is_meta] == ["rotary.cos",
+                                                                          "rotary.sin"]
+
+
 def test_a_cpu_engine_never_imports_dynamo_or_triton(tiny_model: Path) -> None:
     """Loading and serving on the CPU leaves torch._dynamo and triton unimported: a random init
     on the meta device would import both (100 MB of a process's memory, a second of its
