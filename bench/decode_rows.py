@@ -9,6 +9,7 @@ after the prefill, the best of ``--repeats`` alternations.
 
     python -m bench.decode_rows --rows 1 2 4 8 16 24 32
     python -m bench.decode_rows --quantization int8 --rows 8 16 32 64
+    python -m bench.decode_rows --rows 8 16 24 32 --one-call-rows 32  # past today's limits
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name)
 
 
 def set_one_call_rows(limit: int | None) -> None:
-    """The C kernels' row limits as they are (None), or 0: every step layer by layer."""
+    """The C kernels' row limits as they are (None), or ``limit`` rows for every kind (0:
+    every step layer by layer)."""
     for name, default in DEFAULTS.items():
         if limit is not None:  # a dict's keys stay: they name the dtypes the C linear takes
             default = dict.fromkeys(default, limit) if isinstance(default, dict) else limit
@@ -72,13 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--tokens", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--one-call-rows", type=int,
+                        help="the one call's row limit for every kind (default: the limits "
+                        "kernels/native.py sets for this CPU)")
     args = parser.parse_args(argv)
     model_dir = args.models / args.shape
     write_shape(args.shape, model_dir)
     best: dict[tuple[str, int], float] = {}
     for repeat in range(args.repeats):
         for setting in ("one call", "torch"):
-            set_one_call_rows(None if setting == "one call" else 0)
+            set_one_call_rows(args.one_call_rows if setting == "one call" else 0)
             engine = LLMEngine(EngineConfig(
                 model=str(model_dir), dtype="bfloat16", quantization=args.quantization,
                 enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29))
@@ -86,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 ms = step_ms(engine, rows, args.tokens, f"{setting}-{repeat}-{rows}")
                 best[setting, rows] = min(best.get((setting, rows), ms), ms)
             del engine
-    set_one_call_rows(None)
+    set_one_call_rows(args.one_call_rows)
     limit = native.linear_max_rows(torch.bfloat16)
-    print(f"{args.shape}{', int8' if args.quantization else ''}: bf16 C rows here {limit}")
+    set_one_call_rows(None)
+    print(f"{args.shape}{', int8' if args.quantization else ''}: bf16 C rows {limit}")
     print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
     print("|---|---|---|---|")
     for rows in args.rows:

@@ -109,7 +109,11 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # lost at 8 (130.3 against 112.7). The kernel on AMX's tiles itself (one pass over the weights for
 # up to 32 rows) won at every row count to 32: 83.0 against 114.0 ms at 8 rows, 94.8 against 119.0
 # at 16, 126.1 against 133.5 at 32.
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 8}
+# Widened bf16 past 8 rows (a 2-core AVX2 Zen 3 EPYC, 2026-12-06, Llama-3.2-1B's decode steps,
+# bench/decode_rows.py --one-call-rows 32): the one call won to 24 rows, 345.2 against 657.2 ms
+# at 12 (torch's float32 GEMM is slow at so few rows), 432.7 against 481.1 at 16, 634.1 against
+# 690.2 at 24, and lost at 32 (802.2 against 765.2).
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
 LINEAR_MAX_ROWS_BF16_DOT = 32
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32

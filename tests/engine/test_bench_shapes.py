@@ -86,10 +86,10 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert ours > 0 and theirs > 0 and f"= {ours / theirs:.2f}x" in hf_line
 
 
-def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
-    """bench/decode_rows.py: each row count timed with the one C call and layer by layer (the
-    one call taken only in the first), the ratio of the two, and the row limits put back."""
+def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 *options: str) -> list[int]:
+    """Runs bench/decode_rows.py on a tiny shape, 3 decode steps of 1 and of 3 rows, and checks
+    that it put the row limits back. The rows of each step taken in one C call."""
     from bench import decode_rows, shapes
     from kernels import native
 
@@ -103,8 +103,18 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
         one_call_rows.append(x.shape[0]), run(self, x, *a))[1])
     limits = dict(decode_rows.DEFAULTS)
     assert decode_rows.main(["--shape", "tiny", "--rows", "1", "3", "--tokens", "3",
-                             "--repeats", "1", "--models", str(tmp_path / "models")]) == 0
+                             "--repeats", "1", "--models", str(tmp_path / "models"),
+                             *options]) == 0
     assert {name: getattr(native, name) for name in limits} == limits
+    assert native.linear_max_rows(torch.float32) == native.LINEAR_MAX_ROWS[torch.float32]
+    return one_call_rows
+
+
+def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/decode_rows.py: each row count timed with the one C call and layer by layer (the
+    one call taken only in the first), the ratio of the two, and the row limits put back."""
+    one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch)
     assert sorted(set(one_call_rows)) == [1, 3]  # decode steps of the "one call" engine only
     assert len(one_call_rows) == 2 * 3  # 3 decode steps each, none from the torch engine
     rows = [line.split("|")[1:5] for line in capsys.readouterr().out.splitlines()
@@ -114,6 +124,16 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
         ours, theirs = float(ours_ms), float(theirs_ms)
         slack = theirs / ours * (0.05 / ours + 0.05 / theirs) + 0.005
         assert abs(float(ratio.strip().rstrip("x")) - theirs / ours) <= slack
+
+
+def test_decode_rows_one_call_rows_sets_the_one_calls_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--one-call-rows 2: the one-call engine takes the 1-row steps in one C call and the 3-row
+    ones layer by layer, it says so, and the limits are put back."""
+    one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch, "--one-call-rows", "2")
+    assert one_call_rows == [1, 1, 1]
+    assert "tiny: bf16 C rows 2\n" in capsys.readouterr().out
 
 
 TINY_AB_SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,

@@ -48,7 +48,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
             for o in outputs]
 
 
-BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 32 (dot or AMX tiles), 5, or 8
+BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 32 (dot or AMX tiles), 5, or 24
 
 
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
