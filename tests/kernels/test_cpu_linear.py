@@ -17,7 +17,7 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 20, 40])  # past linear_max_rows: torch GEMM
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 40])  # past linear_max_rows: torch GEMM
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
@@ -25,8 +25,8 @@ SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torch.dtype,
                                           with_bias: bool, kernel: str) -> None:
     # "c": the C kernel whatever linear_max_rows says (its tiles: a lone row's stream; 2 and 3
-    # rows in 2-row tiles; 8, 9 and 40 in 4-row tiles and what is left; on AMX, 20 rows in x
-    # tiles of 16 and 4, 40 in a pass of 32 and one of 8).
+    # rows in 2-row tiles; 7, 8, 9 and 40 in 4-row tiles and what is left, 7 in one of each
+    # kind; on AMX, 20 rows in x tiles of 16 and 4, 40 in a pass of 32 and one of 8).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).to(dtype)
