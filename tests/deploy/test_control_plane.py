@@ -324,9 +324,10 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
                                                           hook, caplog) -> None:
     """The POST takes four lock TTLs: the watchdog renews the lock, so the runs that
     finalize_batches starts meanwhile skip, the receiver gets one POST, and the lock is
-    released cleanly at the end."""
-    receiver = hook(delay_s=2.0)
-    app = control(webhook_url=receiver.url, task_lock_ttl_s=0.5)
+    released cleanly at the end. (A TTL of 1 s: the watchdog renews every third of it, and
+    with 0.5 s a 2-core machine loaded by other work missed two renewals in a row.)"""
+    receiver = hook(delay_s=4.0)
+    app = control(webhook_url=receiver.url, task_lock_ttl_s=1.0)
     store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="slow")[0])
     svc = app.kvbatch_services.get()
@@ -337,7 +338,7 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     first.start()
     while not receiver.requests:
         time.sleep(0.05)
-    time.sleep(1.0)  # two TTLs into the POST
+    time.sleep(2.0)  # two TTLs into the POST
     assert task(app, "finalize_batch")("slow") == "skipped"
     assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
     first.join(timeout=10)
