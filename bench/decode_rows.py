@@ -10,6 +10,7 @@ after the prefill, the best of ``--repeats`` alternations.
     python -m bench.decode_rows --rows 1 2 4 8 16 24 32
     python -m bench.decode_rows --quantization int8 --rows 8 16 32 64
     python -m bench.decode_rows --rows 8 16 24 32 --one-call-rows 32  # past today's limits
+    python -m bench.decode_rows --model smollm2-135m-instruct --dtype float32 --rows 8 16 32
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
 # kernels.native's row limits of the C linears, as they are (LINEAR_MAX_ROWS by dtype: bf16's
 # where the kernel widens it, on CPUs without AVX512-BF16)
 DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
-    "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_BF16_DOT", "LINEAR_MAX_ROWS_BF16_TORCH_AMX",
-    "LINEAR_MAX_ROWS_BF16_AMX",
+    "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_FLOAT32_AVX2", "LINEAR_MAX_ROWS_BF16_DOT",
+    "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_FIXED", "LINEAR_INT8_MAX_ROWS_FIXED_GROUPS")}
 
 
@@ -69,6 +70,9 @@ def set_one_call_rows(limit: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama-3.2-1b", choices=SHAPES)
+    parser.add_argument("--model", help="a model the engine loads (a directory, or "
+                        "smollm2-135m-instruct) in place of --shape's")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--models", type=Path, default=native.cache_dir() / "bench-models")
     parser.add_argument("--quantization", choices=["int8"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -78,23 +82,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="the one call's row limit for every kind (default: the limits "
                         "kernels/native.py sets for this CPU)")
     args = parser.parse_args(argv)
-    model_dir = args.models / args.shape
-    write_shape(args.shape, model_dir)
+    model = args.model
+    if model is None:
+        model = str(args.models / args.shape)
+        write_shape(args.shape, Path(model))
     best: dict[tuple[str, int], float] = {}
     for repeat in range(args.repeats):
         for setting in ("one call", "torch"):
             set_one_call_rows(args.one_call_rows if setting == "one call" else 0)
             engine = LLMEngine(EngineConfig(
-                model=str(model_dir), dtype="bfloat16", quantization=args.quantization,
+                model=model, dtype=args.dtype, quantization=args.quantization,
                 enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29))
             for rows in args.rows:
                 ms = step_ms(engine, rows, args.tokens, f"{setting}-{repeat}-{rows}")
                 best[setting, rows] = min(best.get((setting, rows), ms), ms)
             del engine
     set_one_call_rows(args.one_call_rows)
-    limit = native.linear_max_rows(torch.bfloat16)
+    limit = native.linear_max_rows(getattr(torch, args.dtype))
     set_one_call_rows(None)
-    print(f"{args.shape}{', int8' if args.quantization else ''}: bf16 C rows {limit}")
+    print(f"{args.model or args.shape}, {args.dtype}{', int8' if args.quantization else ''}: "
+          f"C rows {limit}")
     print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
     print("|---|---|---|---|")
     for rows in args.rows:

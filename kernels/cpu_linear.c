@@ -420,6 +420,10 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
  * (kernels.native.linear_max_rows sizes the kernel's row limit by it). */
 int linear_has_bf16_dot(void) { return HAS_BF16_DOT; }
 
+/* Floats a vector in this build: 8 for AVX2 (kernels.native.linear_max_rows sizes the float32
+ * row limit by it), 16 for AVX-512. */
+int linear_vector_floats(void) { return VL; }
+
 /* Whether bf16 rows by bf16 weights take AMX's tiles in this build and process. */
 int linear_has_amx(void) {
 #if HAS_AMX

@@ -102,11 +102,12 @@ def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native.DecodeLayers, "__call__", lambda self, x, *a: (
         one_call_rows.append(x.shape[0]), run(self, x, *a))[1])
     limits = dict(decode_rows.DEFAULTS)
+    rows_by_dtype = [native.linear_max_rows(d) for d in (torch.float32, torch.bfloat16)]
     assert decode_rows.main(["--shape", "tiny", "--rows", "1", "3", "--tokens", "3",
                              "--repeats", "1", "--models", str(tmp_path / "models"),
                              *options]) == 0
     assert {name: getattr(native, name) for name in limits} == limits
-    assert native.linear_max_rows(torch.float32) == native.LINEAR_MAX_ROWS[torch.float32]
+    assert [native.linear_max_rows(d) for d in (torch.float32, torch.bfloat16)] == rows_by_dtype
     return one_call_rows
 
 
@@ -133,7 +134,7 @@ def test_decode_rows_one_call_rows_sets_the_one_calls_limit(
     ones layer by layer, it says so, and the limits are put back."""
     one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch, "--one-call-rows", "2")
     assert one_call_rows == [1, 1, 1]
-    assert "tiny: bf16 C rows 2\n" in capsys.readouterr().out
+    assert "tiny, bfloat16: C rows 2\n" in capsys.readouterr().out
 
 
 TINY_AB_SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
