@@ -38,11 +38,12 @@
  * Llama-3.2-1B's 8192x2048 went from 26.6 to 34.2 and from 17.6 to 21.0 GB/s in bf16, 1.3x
  * in float32). With AVX2's 16 registers a wide tile takes its weight rows WIDE_ROWS at a time
  * (8 accumulators; 4 x rows by all 4 weight rows spilled its 16 to the stack), from 6 rows: on
- * a 2-core AVX2 Zen 3 EPYC, A/B over the 1B's matrices, float32 1.13x at 6 rows and 1.28x at 8,
- * widened bf16 1.04-1.09x at 6-24 (4 rows were no faster). Past a decode step's few rows (only
- * kernels.batch_invariant sends more), the rows in chunks of CHUNK_ROWS, each chunk's x kept in
- * L2 while every weight row passes it (x whole would stream from L3 once per ROWS weight rows).
- * None of this changes an output's order of reduction, which is the same for every tile shape. */
+ * a 2-core AVX2 Zen 3 EPYC, A/B over the 1B's matrices, float32 1.13-1.17x at 6 rows and
+ * 1.27-1.28x at 8, widened bf16 1.04-1.09x at 6-24 (4 rows were no faster). Past a decode
+ * step's few rows (only kernels.batch_invariant sends more), the rows in chunks of CHUNK_ROWS,
+ * each chunk's x kept in L2 while every weight row passes it (x whole would stream from L3 once
+ * per ROWS weight rows). None of this changes an output's order of reduction, which is the same
+ * for every tile shape. */
 #define WIDE_XROWS 4
 #ifdef __AVX512F__
 #define WIDE_FROM 4
@@ -202,8 +203,8 @@ INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, cons
      * goes with the first RT */
 #define TILE(P, RT)                                                                           \
     for (int h = 0; h < R; h += (RT))                                                         \
-    tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0 + h, ahead, pass * lines / passes,        \
-         h ? 0 : (pass + 1) * lines / passes - pass * lines / passes, P, RT, kind)
+        tile(x, xa, xh, w, bias, y, y_bf16, N, K, m, n0 + h, ahead, pass * lines / passes,    \
+             h ? 0 : (pass + 1) * lines / passes - pass * lines / passes, P, RT, kind)
     if (wide)
         for (; m + WIDE_XROWS <= M; m += WIDE_XROWS, pass++)
             TILE(WIDE_XROWS, R < WIDE_ROWS ? R : WIDE_ROWS);

@@ -114,11 +114,12 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # at 12 (torch's float32 GEMM is slow at so few rows), 432.7 against 481.1 at 16, 634.1 against
 # 690.2 at 24, and lost at 32 (802.2 against 765.2).
 LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
-# float32 weights where the kernel is built for AVX2 (8 floats a vector; a 2-core Zen 3 EPYC,
-# 2026-12-06, bench/decode_rows.py --dtype float32 --one-call-rows 40): the one call won at every
-# row count to 32 and past it, SmolLM2 (the default model, float32 the default dtype on such
-# CPUs) 67.7 against 120.1 ms a step at 16 rows and 125.7 against 145.9 at 32, Llama-3.2-1B
-# 948.3 against 1396.6 at 32 and 1261.0 against 1512.8 at 40. Not measured with AVX-512.
+# float32 weights where the kernel is built 8 floats a vector (AVX2, and the portable build;
+# measured on a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bench/decode_rows.py --dtype float32
+# --one-call-rows 40): the one call won at every row count to 32 and past it, SmolLM2 (the
+# default model, float32 the default dtype on such CPUs) 67.7 against 120.1 ms a step at 16 rows
+# and 125.7 against 145.9 at 32, Llama-3.2-1B 948.3 against 1396.6 at 32 and 1261.0 against
+# 1512.8 at 40. Not measured with AVX-512.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
 LINEAR_MAX_ROWS_BF16_DOT = 32
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
