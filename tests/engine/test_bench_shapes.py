@@ -87,9 +87,9 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 *options: str) -> list[int]:
+                                 *options: str) -> list[tuple[int, torch.dtype]]:
     """Runs bench/decode_rows.py on a tiny shape, 3 decode steps of 1 and of 3 rows, and checks
-    that it put the row limits back. The rows of each step taken in one C call."""
+    that it put the row limits back. The rows and dtype of each step taken in one C call."""
     from bench import decode_rows, shapes
     from kernels import native
 
@@ -97,10 +97,10 @@ def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
         tie_word_embeddings=True, max_position_embeddings=1024))
-    one_call_rows: list[int] = []
+    one_call_rows: list[tuple[int, torch.dtype]] = []
     run = native.DecodeLayers.__call__
     monkeypatch.setattr(native.DecodeLayers, "__call__", lambda self, x, *a: (
-        one_call_rows.append(x.shape[0]), run(self, x, *a))[1])
+        one_call_rows.append((x.shape[0], x.dtype)), run(self, x, *a))[1])
     limits = dict(decode_rows.DEFAULTS)
     rows_by_dtype = [native.linear_max_rows(d) for d in (torch.float32, torch.bfloat16)]
     assert decode_rows.main(["--shape", "tiny", "--rows", "1", "3", "--tokens", "3",
@@ -116,7 +116,8 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """bench/decode_rows.py: each row count timed with the one C call and layer by layer (the
     one call taken only in the first), the ratio of the two, and the row limits put back."""
     one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch)
-    assert sorted(set(one_call_rows)) == [1, 3]  # decode steps of the "one call" engine only
+    # decode steps of the "one call" engine only, in bf16 by default
+    assert sorted(set(one_call_rows)) == [(1, torch.bfloat16), (3, torch.bfloat16)]
     assert len(one_call_rows) == 2 * 3  # 3 decode steps each, none from the torch engine
     rows = [line.split("|")[1:5] for line in capsys.readouterr().out.splitlines()
             if re.match(r"\| \d", line)]
@@ -130,11 +131,12 @@ def test_decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_decode_rows_one_call_rows_sets_the_one_calls_limit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """--one-call-rows 2: the one-call engine takes the 1-row steps in one C call and the 3-row
-    ones layer by layer, it says so, and the limits are put back."""
-    one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch, "--one-call-rows", "2")
-    assert one_call_rows == [1, 1, 1]
-    assert "tiny, bfloat16: C rows 2\n" in capsys.readouterr().out
+    """--one-call-rows 2 (--dtype float32): the one-call engine takes the 1-row steps in one C
+    call and the 3-row ones layer by layer, it says so, and the limits are put back."""
+    one_call_rows = _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch, "--one-call-rows", "2",
+                                                 "--dtype", "float32")
+    assert one_call_rows == [(1, torch.float32)] * 3
+    assert "tiny, float32: C rows 2\n" in capsys.readouterr().out
 
 
 TINY_AB_SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
