@@ -43,7 +43,7 @@ from bench.int8 import decode_ms, weight_read_bytes
 from bench.load_memory import measure
 from bench.shapes import SHAPES, write_shape
 from bench.throughput import RESULTS_MD, machine, model_shape, native_dtype, run_transformers
-from bench.workloads import shared_system_workload
+from bench.workloads import Workload, shared_system_workload
 from engine import EngineConfig, LLMEngine
 from engine.models.loader import cache_dir
 
@@ -86,8 +86,10 @@ def lone_request(engine: LLMEngine) -> float:
     return min(decode_ms(engine, prompt, LONE_TOKENS)[0] for prompt in prompts)
 
 
-def versus_transformers(model_dir: Path, n: int, args: Namespace) -> tuple[float, float]:
-    """Useful tokens a second of kvbatch and of transformers on ``n`` requests."""
+def versus_transformers(model_dir: Path, n: int, args: Namespace
+                        ) -> tuple[float, float, Workload]:
+    """Useful tokens a second of kvbatch and of transformers on ``n`` requests, and the
+    requests."""
     engine = peer.kvbatch_engine(args)
     w = shared_system_workload("realsize-hf", engine.tokenizer, n, peer.SYSTEM_TOKENS,
                                peer.USER_TOKENS, peer.OUTPUT_TOKENS, args.seed)
@@ -96,7 +98,16 @@ def versus_transformers(model_dir: Path, n: int, args: Namespace) -> tuple[float
     del engine
     # transformers at its best on this CPU: bf16 where it has bf16 arithmetic, else float32
     base = run_transformers(model_dir, getattr(torch, native_dtype()), w, n, shape, pad)
-    return tokens / seconds, base.useful_tokens / base.wall_s
+    return tokens / seconds, base.useful_tokens / base.wall_s, w
+
+
+def ceiling(w: Workload, lone_ms: float) -> tuple[float, float]:
+    """The least seconds any engine reading the weights once a decode step needs for ``w``,
+    and the useful tokens a second that makes: its longest request's tokens after the first,
+    one decode step each, each at least a lone request's step (a step of more rows reads the
+    same weights). Prefill is left out, so the true floor is higher."""
+    seconds = (max(w.max_tokens) - 1) * lone_ms / 1000
+    return seconds, w.num_output_tokens / seconds
 
 
 def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> list[str]:
@@ -147,9 +158,13 @@ def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> lis
             say(f"- lone request, the same prompt: kvbatch {ours:.1f}, llama.cpp {theirs:.1f} "
                 f"ms a token = {theirs / ours:.2f}x its speed")
     if args.transformers_requests:
-        ours, theirs = versus_transformers(model_dir, args.transformers_requests, sub)
+        ours, theirs, w = versus_transformers(model_dir, args.transformers_requests, sub)
         say(f"- {args.transformers_requests} requests: kvbatch {ours:.1f} useful "
             f"tok/s, transformers {theirs:.1f} = {ours / theirs:.2f}x")
+        floor_s, most = ceiling(w, ms)
+        say(f"  - the most any engine could reach: {max(w.max_tokens) - 1} decode steps after "
+            f"the longest request's first token, each at least a lone step's {ms:.1f} ms = "
+            f"{floor_s:.1f} s, {most:.1f} useful tok/s = {most / theirs:.2f}x transformers")
     return lines
 
 

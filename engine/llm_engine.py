@@ -30,6 +30,7 @@ from engine.processor import Processor
 from engine.prompts import Prompt
 from engine.runtime import (
     RuntimeInfo,
+    keep_freed_memory,
     resolve_block_size,
     resolve_device,
     resolve_dtype,
@@ -145,6 +146,8 @@ class LLMEngine:
             self.structured, host_kv_caches, self.pooling, self.lora,
         )
         self.runner.warm_up()
+        if device.type == "cpu":  # after the weights and the KV pool: each step's activations
+            keep_freed_memory()
         if captures_decode_graphs(device, config.enforce_eager, backend.name):
             self.runner.enable_decode_graphs(config.max_num_seqs,
                                              cdiv(max_model_len, block_size), capture=True)

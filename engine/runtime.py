@@ -3,6 +3,7 @@ values the engine discovers when it loads the model and sizes the KV pool."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 
@@ -27,6 +28,29 @@ def shared_host_cpus(config: EngineConfig, device: torch.device) -> int:
     cpus = os.cpu_count() or 1
     pinned = len(os.sched_getaffinity(0)) < cpus
     return cpus if device.type == "cpu" and config.cpu_threads is None and not pinned else 0
+
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Have this process's malloc keep the memory it frees for its next allocations (glibc:
+    no block in a mapping of its own, no trimming), as vLLM's CPU backend gets from tcmalloc.
+
+    glibc gives each block of over 32 MB a mapping of its own and unmaps it when freed, so
+    every prefill step faulted its large activations in again, a page at a time: on a 2-core
+    KVM Xeon, Llama-3.2-1B's 1,721-token prefill step took 4.75 s, 2.82 s with this (the
+    fused gate/up projection's 56 MB output: 169 ms a layer, 58 ms into memory kept). The
+    process keeps its peak heap for its life instead. False where the C library has no
+    ``mallopt`` (not glibc), or refused."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:

@@ -84,6 +84,19 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     ours, theirs = (float(x) for x in re.findall(r"(\d+\.\d+) useful tok/s, transformers "
                                                   r"(\d+\.\d+)", hf_line)[0])
     assert ours > 0 and theirs > 0 and f"= {ours / theirs:.2f}x" in hf_line
+    (ceiling_line,) = [line for line in out.splitlines() if "the most any engine" in line]
+    most = float(re.findall(r"(\d+\.\d+) useful tok/s", ceiling_line)[0])
+    assert most > 0 and f"= {most / theirs:.2f}x transformers" in ceiling_line
+
+
+def test_the_ceiling_is_the_longest_request_at_a_lone_step() -> None:
+    """Requests of 5 and 9 tokens at 10 ms a lone step: 8 steps after the longest's first
+    token, 0.08 s, 14 useful tokens in them."""
+    from bench.realsize import ceiling
+    from bench.workloads import Workload
+
+    seconds, tok_s = ceiling(Workload("two", [[1, 2], [3]], [5, 9]), 10.0)
+    assert seconds == pytest.approx(0.08) and tok_s == pytest.approx(175.0)
 
 
 def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
