@@ -232,15 +232,17 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
 #if HAS_AMX
 /* bf16 rows by bf16 weights on AMX's tiles (float32 sums): a tile of 16 weight rows by 32
  * inputs (64 bytes of each row, loaded with the rows' stride, so the weights keep their
- * row-major layout) times a tile of the same 32 inputs of up to 16 x rows, packed as AMX wants its second operand (pairs of inputs side by side),
- * accumulates 16 outputs by those x rows in a float32 tile. A thread takes blocks of 2 x 16
- * weight rows, all of K, with up to 2 x 16 x rows (all 8 tile registers): one pass over the
- * weights for up to AMX_M rows. tdpbf16ps adds an output's products in the order of its
- * inputs, one instruction's 16 pairs after another, whatever the tile's other rows and
+ * row-major layout) times a tile of the same 32 inputs of up to 16 x rows, packed as AMX wants
+ * its second operand (pairs of inputs side by side), accumulates 16 outputs by those x rows in
+ * a float32 tile. A thread takes blocks of 16 weight rows, all of K, with up to 2 x 16 x rows:
+ * one pass over the weights for up to AMX_M rows. (Against blocks of 32 rows, two weight tiles
+ * reading 32 rows' streams at once, on a 2-core Xeon with AMX: 1.09-1.11x at 24-32 x rows, the
+ * same to 16; blocks of 8 rows were 0.89-0.98x.) tdpbf16ps adds an output's products in the order
+ * of its inputs, one instruction's 16 pairs after another, whatever the tile's other rows and
  * columns, so a row's result does not depend on the others (the batch-invariant mode's
  * linear). */
 #define AMX_M 32     /* x rows per pass: two float32 tiles' 16 columns */
-#define AMX_BLOCK 32 /* weight rows per block: two tiles of 16 */
+#define AMX_BLOCK 16 /* weight rows per block: one tile */
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -258,21 +260,20 @@ static inline int amx_permitted(void) {
     return permitted;
 }
 
-/* Tiles 2, 3: weights (16 rows by 32 bf16); 4 and 7: the first Pa and the next Pb x rows (16
- * input pairs by their rows); 0, 1 and 5, 6: float32 outputs of the two weight tiles by them
- * (tiles of no rows, where Pb is 0, are left unconfigured). */
+/* Tile 2: weights (16 rows by 32 bf16); 4 and 7: the first Pa and the next Pb x rows (16 input
+ * pairs by their rows); 0 and 5: float32 outputs of the weights by them (tiles 5 and 7 are
+ * left unconfigured where Pb is 0). */
 static inline void amx_configure(int Pa, int Pb) {
-    static const int pb_tiles[] = {5, 6, 7};
     amx_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = t == 2 || t == 3 ? 64 : Pa * 4;
-    }
-    for (int i = 0; i < 3 && Pb; i++) {
-        c.rows[pb_tiles[i]] = 16;
-        c.colsb[pb_tiles[i]] = Pb * 4;
+    c.rows[2] = 16;
+    c.colsb[2] = 64;
+    c.rows[0] = c.rows[4] = 16;
+    c.colsb[0] = c.colsb[4] = Pa * 4;
+    if (Pb) {
+        c.rows[5] = c.rows[7] = 16;
+        c.colsb[5] = c.colsb[7] = Pb * 4;
     }
     _tile_loadconfig(&c);
 }
@@ -289,36 +290,26 @@ static inline void amx_pack(const uint16_t *xh, int64_t K, int64_t m0, int P, ui
             }
 }
 
-/* The float32 sums of bf16 weight rows w0 .. w0 + 16 and w1 .. w1 + 16 (`stride` bytes apart)
- * over inputs 0 .. kv by the packed x rows xa (Pa of them) and xb (Pb): out[0], out[1] by xa,
- * out[2], out[3] by xb. */
-static inline void amx_tiles(const uint16_t *w0, const uint16_t *w1, int64_t stride,
-                             const uint16_t *xa, const uint16_t *xb, int64_t kv, int Pa, int Pb,
-                             float out[4][16][16]) {
+/* The float32 sums of the 16 bf16 weight rows from w (`stride` bytes apart) over inputs
+ * 0 .. kv by the packed x rows xa (Pa of them) and xb (Pb): out[0] by xa, out[1] by xb. */
+static inline void amx_tiles(const uint16_t *w, int64_t stride, const uint16_t *xa,
+                             const uint16_t *xb, int64_t kv, int Pa, int Pb,
+                             float out[2][16][16]) {
     _tile_zero(0);
-    _tile_zero(1);
-    if (Pb) {
+    if (Pb)
         _tile_zero(5);
-        _tile_zero(6);
-    }
     for (int64_t k = 0; k < kv; k += 32) {
-        _tile_loadd(2, w0 + k, stride);
-        _tile_loadd(3, w1 + k, stride);
+        _tile_loadd(2, w + k, stride);
         _tile_loadd(4, xa + k * Pa, Pa * 4);
         _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(1, 3, 4);
         if (Pb) {
             _tile_loadd(7, xb + k * Pb, Pb * 4);
             _tile_dpbf16ps(5, 2, 7);
-            _tile_dpbf16ps(6, 3, 7);
         }
     }
     _tile_stored(0, out[0], 16 * 4);
-    _tile_stored(1, out[1], 16 * 4);
-    if (Pb) {
-        _tile_stored(5, out[2], 16 * 4);
-        _tile_stored(6, out[3], 16 * 4);
-    }
+    if (Pb)
+        _tile_stored(5, out[1], 16 * 4);
 }
 
 /* The outputs of a stored float32 tile (16 weight rows from n0 by P x rows from m0), with the
@@ -356,14 +347,13 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 #pragma omp parallel num_threads(num_threads)
         {
             amx_configure(Pa, Pb);
-            float out[4][16][16];
+            float out[2][16][16];
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                const uint16_t *w0 = w + b * AMX_BLOCK * K;
-                amx_tiles(w0, w0 + 16 * K, K * 2, xp, xb, kv, Pa, Pb, out);
-                for (int t = 0; t < (Pb ? 4 : 2); t++)
-                    amx_store(out[t], xf, w, bias, y, y_bf16, N, K, t < 2 ? m0 : m0 + Pa,
-                              t < 2 ? Pa : Pb, b * AMX_BLOCK + 16 * (t % 2));
+                amx_tiles(w + b * AMX_BLOCK * K, K * 2, xp, xb, kv, Pa, Pb, out);
+                amx_store(out[0], xf, w, bias, y, y_bf16, N, K, m0, Pa, b * AMX_BLOCK);
+                if (Pb)
+                    amx_store(out[1], xf, w, bias, y, y_bf16, N, K, m0 + Pa, Pb, b * AMX_BLOCK);
             }
             _tile_release();
         }
