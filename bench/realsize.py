@@ -12,7 +12,8 @@ For each shape, printed and appended to ``bench/RESULTS.md``:
   sharing a 170-token system prompt, cold and warm; goals >= 2x at 32, >= 3x at 128, and a
   lone request at least llama.cpp's speed);
 - **kvbatch against transformers** at ``--transformers-requests`` (the same kind of requests,
-  transformers' static batches of that size, greedy; goal >= 5x at 32).
+  transformers' static batches of that size, greedy; goal >= 5x at 32), and the ceiling of
+  that ratio on this machine: the longest request's decode steps at a lone step's time each.
 
 llama.cpp comes from a checkout built as ``bench/peer.py`` says (``--llama-cpp DIR`` with
 ``DIR/build/bin/llama-server``); its ``convert_hf_to_gguf.py`` writes each shape's GGUF once
