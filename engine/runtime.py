@@ -41,7 +41,7 @@ def keep_freed_memory() -> bool:
 
     glibc gives each block of over 32 MB a mapping of its own and unmaps it when freed, so
     every prefill step faulted its large activations in again, a page at a time: on a 2-core
-    KVM Xeon, Llama-3.2-1B's 1,721-token prefill step took 4.75 s, 2.82 s with this (the
+    KVM Xeon, Llama-3.2-1B's 1,721-token prefill step took 4.75 s, 2.85 s with this (the
     fused gate/up projection's 56 MB output: 169 ms a layer, 58 ms into memory kept). The
     process keeps its peak heap for its life instead. False where the C library has no
     ``mallopt`` (not glibc), or refused."""
