@@ -39,6 +39,40 @@ def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torc
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+# On AMX, k = 64 stores 16 outputs at once, k = 1539 one at a time (inputs past the last 32).
+@pytest.mark.parametrize("k", [64, 1539])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_bf16_outputs_are_the_float32_sums_rounded(rows: int, k: int, with_bias: bool) -> None:
+    # The same bf16 rows and weights, the outputs asked for in float32 and in bf16: the bf16
+    # ones are the float32 ones rounded to nearest even, bit for bit (as torch rounds).
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(50, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(50, generator=gen) if with_bias else None
+    outs = {dtype: torch.empty(rows, 50, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for dtype, out in outs.items():
+        native.library("cpu_linear").linear_small(
+            x.data_ptr(), 1, weight.data_ptr(), 1, None if bias is None else bias.data_ptr(),
+            out.data_ptr(), int(dtype == torch.bfloat16), rows, 50, k, 2)
+    assert torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16))
+    expected = _reference(x, weight, bias)
+    torch.testing.assert_close(outs[torch.float32].double(), expected,
+                               atol=1e-5 * float(expected.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("k", [64, 1539])
+def test_bf16_ties_round_to_even(k: int) -> None:
+    # 1 + 2^-8 and 1 + 3 * 2^-8 lie halfway between two bf16 values: to even, 1 and 1 + 2^-6.
+    x = torch.zeros(2, k, dtype=torch.bfloat16)
+    x[:, 0] = 1.0
+    x[0, 1], x[1, 1] = 2.0**-8, 3 * 2.0**-8
+    weight = torch.zeros(32, k, dtype=torch.bfloat16)
+    weight[:, :2] = 1.0
+    out = native.linear_rows(x, weight)
+    assert out[0].tolist() == [1.0] * 32 and out[1].tolist() == [1.0 + 2.0**-6] * 32
+
+
 def test_strided_rows_are_read_as_rows() -> None:
     # The o_proj input is a reshaped view; a column slice is not contiguous.
     x = torch.randn(3, 100)[:, 10:74]
