@@ -364,8 +364,8 @@ static void amx_store(const float out[16][16], const float *xf, const uint16_t *
  * read 18: storing the outputs one at a time and widening x for nothing took the rest (16
  * outputs a store and x widened only for the tails: 1.12x at 16 rows, 1.23-1.25x at 32).
  * Weight rows past the last whole block (N % AMX_BLOCK: which ones depends on N alone) take the
- * dot product's tile; inputs past the last 32 (K % 32) are added after, in float32 (xf: NULL
- * where there are neither). */
+ * dot product's tile; inputs past the last 32 (K % 32) are added after, in float32 (x as float32,
+ * xf, is made only where there are either). */
 static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
                        const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                        int num_threads) {
