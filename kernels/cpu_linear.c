@@ -236,11 +236,11 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
  * its second operand (pairs of inputs side by side), accumulates 16 outputs by those x rows in
  * a float32 tile. A thread takes blocks of 16 weight rows, all of K, with up to 2 x 16 x rows:
  * one pass over the weights for up to AMX_M rows. (Against blocks of 32 rows, two weight tiles
- * reading 32 rows' streams at once, on a 2-core Xeon with AMX: 1.09-1.11x at 24-32 x rows, the
- * same to 16; blocks of 8 rows were 0.89-0.98x.) tdpbf16ps adds an output's products in the order
- * of its inputs, one instruction's 16 pairs after another, whatever the tile's other rows and
- * columns, so a row's result does not depend on the others (the batch-invariant mode's
- * linear). */
+ * reading 32 rows' streams at once, on a 2-core Xeon with AMX: 1.03-1.09x at 24 x rows,
+ * 1.06-1.11x at 32, the same to 16; blocks of 8 rows were 0.89-0.98x.) tdpbf16ps adds an
+ * output's products in the order of its inputs, one instruction's 16 pairs after another,
+ * whatever the tile's other rows and columns, so a row's result does not depend on the others
+ * (the batch-invariant mode's linear). */
 #define AMX_M 32     /* x rows per pass: two float32 tiles' 16 columns */
 #define AMX_BLOCK 16 /* weight rows per block: one tile */
 #define ARCH_REQ_XCOMP_PERM 0x1023
