@@ -43,8 +43,10 @@ def keep_freed_memory() -> bool:
     every prefill step faulted its large activations in again, a page at a time: on a 2-core
     KVM Xeon, Llama-3.2-1B's 1,721-token prefill step took 4.75 s, 2.85 s with this (the
     fused gate/up projection's 56 MB output: 169 ms a layer, 58 ms into memory kept). The
-    process keeps its peak heap for its life instead. False where the C library has no
-    ``mallopt`` (not glibc), or refused."""
+    process keeps its peak heap for its life instead. On threads other than the main one
+    (a worker's ``--no-engine-process`` engine thread), glibc's heaps of 64 MB a thread still
+    give a larger block a mapping of its own. False where the C library has no ``mallopt``
+    (not glibc), or refused."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):

@@ -360,7 +360,7 @@ static void amx_store(const float out[16][16], const float *xf, const uint16_t *
  * whole blocks (AMX_BLOCK rows) shared by the threads; a decode step of up to AMX_M rows reads
  * every weight once (a 2-core Xeon, 8192x2048: 34-36 GB/s from 1 to 8 rows, where the dot
  * product's tiles fell to 21 at 8 and torch's GEMM on AMX read 25; 26.5 at 16 rows, 20.0 at
- * 32). The tiles' own loop reads 26 GB/s at 32 rows on a second such Xeon, where the kernel
+ * 32, with blocks of 32 weight rows and one output a store). The tiles' own loop reads 26 GB/s at 32 rows on a second such Xeon, where the kernel
  * read 18: storing the outputs one at a time and widening x for nothing took the rest (16
  * outputs a store and x widened only for the tails: 1.12x at 16 rows, 1.23-1.25x at 32).
  * Weight rows past the last whole block (N % AMX_BLOCK: which ones depends on N alone) take the
@@ -399,8 +399,8 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
-    /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into
-     * its even and its odd ones (xa) */
+    /* x as float32 (xf; on AMX's tiles only where tails need it, else unused), and for bf16
+     * weights with each step's 2 * VL elements split into its even and its odd ones (xa) */
     const int dot = w_bf16 && x_bf16 && HAS_BF16_DOT; /* no split x: it reads the bf16 x */
     const int split_x = w_bf16 && !dot;
 #if HAS_AMX

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 # Page faults while a fresh 64 MB tensor (past glibc's largest mmap threshold, 32 MB) is
@@ -35,8 +37,9 @@ def test_a_cpu_engine_reuses_freed_blocks_without_faulting_them_in(tiny_model: P
     out = subprocess.run([sys.executable, "-c", _FAULTS, str(tiny_model)], cwd=REPO,
                          check=True, capture_output=True, text=True).stdout.split()
     plain, kept = (int(x) for x in out[-2:])
-    # 16,384 pages of 4 KiB each time before (32 where the kernel backs it with huge pages)
-    assert plain >= 32 and kept * 20 < plain, (plain, kept)
+    if plain < 1024:  # 16,384 pages of 4 KiB; 32 where the kernel backs them with huge pages
+        pytest.skip(f"{plain} faults for 64 MB: huge pages leave too few to compare")
+    assert kept * 20 < plain, (plain, kept)
 
 
 def test_keep_freed_memory_reports_glibc() -> None:

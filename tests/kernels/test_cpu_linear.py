@@ -39,26 +39,49 @@ def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torc
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 20])
-# On AMX, k = 64 stores 16 outputs at once, k = 1539 one at a time (inputs past the last 32).
-@pytest.mark.parametrize("k", [64, 1539])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
-def test_bf16_outputs_are_the_float32_sums_rounded(rows: int, k: int, with_bias: bool) -> None:
-    # The same bf16 rows and weights, the outputs asked for in float32 and in bf16: the bf16
-    # ones are the float32 ones rounded to nearest even, bit for bit (as torch rounds).
-    gen = torch.Generator().manual_seed(rows + k)
-    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(50, k, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(50, generator=gen) if with_bias else None
-    outs = {dtype: torch.empty(rows, 50, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+def _bf16_and_float32_outputs(x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None) -> dict[torch.dtype, torch.Tensor]:
+    """The C kernel's outputs of the same bf16 rows and weights, asked for in each dtype."""
+    (rows, k), n = x.shape, weight.shape[0]
+    outs = {dtype: torch.empty(rows, n, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
     for dtype, out in outs.items():
         native.library("cpu_linear").linear_small(
             x.data_ptr(), 1, weight.data_ptr(), 1, None if bias is None else bias.data_ptr(),
-            out.data_ptr(), int(dtype == torch.bfloat16), rows, 50, k, 2)
+            out.data_ptr(), int(dtype == torch.bfloat16), rows, n, k, 2)
+    return outs
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+# On AMX, k = 64 stores 16 outputs at once, k = 1539 one at a time (inputs past the last 32);
+# n = 64 reads x in bf16 only, n = 50 has two weight rows past the tiles.
+@pytest.mark.parametrize(("n", "k"), [(64, 64), (50, 64), (50, 1539)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_bf16_outputs_are_the_float32_sums_rounded(rows: int, n: int, k: int,
+                                                   with_bias: bool) -> None:
+    # The same bf16 rows and weights, the outputs asked for in float32 and in bf16: the bf16
+    # ones are the float32 ones rounded to nearest even, bit for bit (as torch rounds).
+    gen = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    outs = _bf16_and_float32_outputs(x, weight, bias)
     assert torch.equal(outs[torch.bfloat16], outs[torch.float32].to(torch.bfloat16))
     expected = _reference(x, weight, bias)
     torch.testing.assert_close(outs[torch.float32].double(), expected,
                                atol=1e-5 * float(expected.abs().max()), rtol=0)
+
+
+def test_bf16_outputs_keep_infinities_and_nans() -> None:
+    # A row with an infinite input gives infinities of its weights' signs, one with a NaN NaNs.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    x[0, 5], x[1, 9] = float("inf"), float("nan")
+    weight = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    outs = _bf16_and_float32_outputs(x, weight, None)
+    out = outs[torch.bfloat16].float()
+    assert torch.equal(out[0], weight[:, 5].float().sign() * float("inf"))
+    assert out[1].isnan().all() and out[2].isfinite().all()
+    assert torch.equal(out[2], outs[torch.float32][2].to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("k", [64, 1539])
