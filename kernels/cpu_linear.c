@@ -313,37 +313,18 @@ static inline void amx_tiles(const uint16_t *w, int64_t stride, const uint16_t *
 }
 
 /* The outputs of a stored float32 tile (16 weight rows from n0 by P x rows from m0), with the
- * inputs past the last 32 added: without them, an x row's 16 outputs at once (the tile's
- * column, its bias, then rounded as store_out rounds them), else one at a time. */
+ * inputs past the last 32 added: without them, an x row's 16 outputs as one run (the tile's
+ * column copied out, then stored in a loop the compiler vectorises), else one at a time. */
 static void amx_store(const float out[16][16], const float *xf, const uint16_t *w,
                       const float *bias, void *y, int y_bf16, int64_t N, int64_t K, int64_t m0,
                       int P, int64_t n0) {
     if (K % 32 == 0) {
-        const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                                   7, 6, 5, 4, 3, 2, 1, 0),
-                                                  _mm512_set1_epi32(16));
-        const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
         for (int p = 0; p < P; p++) {
-            __m512 s = _mm512_i32gather_ps(column, &out[0][p], 4);
-            if (bias)
-                s = _mm512_add_ps(s, b);
-            const int64_t at = (m0 + p) * N + n0;
-            if (!y_bf16) {
-                _mm512_storeu_ps((float *)y + at, s);
-                continue;
-            }
-            const __m512i bits = _mm512_castps_si512(s);
-            const __m512i rounded = _mm512_srli_epi32(
-                _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
-                                 _mm512_and_si512(_mm512_srli_epi32(bits, 16),
-                                                  _mm512_set1_epi32(1))), 16);
-            const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16),
-                                                _mm512_set1_epi32(0x40));
-            const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(
-                _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                _mm512_set1_epi32(0x7f800000));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
-                                _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan)));
+            float column[16];
+            for (int i = 0; i < 16; i++)
+                column[i] = out[i][p];
+            for (int i = 0; i < 16; i++)
+                store_out(y, y_bf16, (m0 + p) * N + n0 + i, column[i], bias, n0 + i);
         }
         return;
     }
