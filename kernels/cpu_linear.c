@@ -215,17 +215,43 @@ INLINE void rows_block(const float *x, const float *xa, const uint16_t *xh, cons
 #undef TILE
 }
 
+/* rows_block with `kind` a constant in each branch. GCC outlines an OpenMP loop's body into a
+ * function of its own before it inlines, so linear_rows' one body serves every kind: a kind
+ * passed down as a variable was tested in each tile's every step, and the kinds' tiles shared
+ * one set of registers (spilling pointers and a mask to the stack). On a 2-core AVX2 Zen 3
+ * EPYC, A/B over Llama-3.2-1B's matrices, the same bits: widened bf16 1.07-1.16x at 6-32 rows,
+ * float32 1.11-1.14x at 16-32. */
+INLINE void rows_block_of(const float *x, const float *xa, const uint16_t *xh, const void *w,
+                          const float *bias, void *y, int y_bf16, int64_t m, int64_t M,
+                          int64_t N, int64_t K, int64_t n0, const int R, int kind) {
+    switch (kind) {
+    case F32_WEIGHTS:
+        rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, F32_WEIGHTS);
+        break;
+    case BF16_WIDENED:
+        rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, BF16_WIDENED);
+        break;
+#if HAS_BF16_DOT
+    case BF16_DOT:
+        rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, BF16_DOT);
+        break;
+#endif
+    default:
+        break;
+    }
+}
+
 INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, const void *w,
                         const float *bias, void *y, int y_bf16, int64_t M, int64_t N,
-                        int64_t K, const int kind, int num_threads) {
+                        int64_t K, int kind, int num_threads) {
     const int64_t full = N / ROWS;
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
         const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < full; b++)
-            rows_block(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, b * ROWS, ROWS, kind);
+            rows_block_of(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, b * ROWS, ROWS, kind);
         for (int64_t n = full * ROWS; n < N; n++) /* the last N % ROWS rows */
-            rows_block(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, n, 1, kind);
+            rows_block_of(x, xa, xh, w, bias, y, y_bf16, m0, m1, N, K, n, 1, kind);
     }
 }
 
