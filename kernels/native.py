@@ -112,8 +112,12 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # Widened bf16 past 8 rows (a 2-core AVX2 Zen 3 EPYC, 2026-12-06, Llama-3.2-1B's decode steps,
 # bench/decode_rows.py --one-call-rows 32): the one call won to 24 rows, 345.2 against 657.2 ms
 # at 12 (torch's float32 GEMM is slow at so few rows), 432.7 against 481.1 at 16, 634.1 against
-# 690.2 at 24, and lost at 32 (802.2 against 765.2).
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
+# 690.2 at 24, and lost at 32 (802.2 against 765.2). With each kind's tiles specialised (the
+# same CPU, later that day) it won to 31 rows: 569.6 against 771.0 ms at 24, 721.3 against
+# 1033.8 at 28, 856.8 against 1367.0 at 31 (torch's GEMM is slow at row counts off a multiple
+# of 8); 820.2 against 750.4 at 32 and 900.4 against 926.9 at 36. So 32, where the kernel
+# loses by 9% at exactly 32 and wins by 35-60% at the 25-31 rows a draining batch passes through.
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32}
 # float32 weights where the kernel is built 8 floats a vector (AVX2, and the portable build;
 # measured on a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bench/decode_rows.py --dtype float32
 # --one-call-rows 40): the one call won at every row count to 32 and past it, SmolLM2 (the
