@@ -112,12 +112,11 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # Widened bf16 past 8 rows (a 2-core AVX2 Zen 3 EPYC, 2026-12-06, Llama-3.2-1B's decode steps,
 # bench/decode_rows.py --one-call-rows 32): the one call won to 24 rows, 345.2 against 657.2 ms
 # at 12 (torch's float32 GEMM is slow at so few rows), 432.7 against 481.1 at 16, 634.1 against
-# 690.2 at 24, and lost at 32 (802.2 against 765.2). With each kind's tiles specialised (the
-# same CPU, later that day) it won to 31 rows: 569.6 against 771.0 ms at 24, 721.3 against
-# 1033.8 at 28, 856.8 against 1367.0 at 31 (torch's GEMM is slow at row counts off a multiple
-# of 8); 820.2 against 750.4 at 32 and 900.4 against 926.9 at 36. So 32, where the kernel
-# loses by 9% at exactly 32 and wins by 35-60% at the 25-31 rows a draining batch passes through.
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 32}
+# 690.2 at 24, and lost at 32 (802.2 against 765.2). With each kind's tiles specialised and
+# x's rows padded for torch's GEMM (GEMM_ROW_ALIGN; the same CPU, later that day): 537.9 against
+# 800.1 ms at 20, 630.1 against 765.3 at 24, 866.5 against 803.1 at 28, 1035.0 against 857.9 at
+# 31 (unpadded, torch's GEMM took 1367.0 ms at 31 rows, and the kernel won to 31).
+LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
 # float32 weights where the kernel is built 8 floats a vector (AVX2, and the portable build;
 # measured on a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bench/decode_rows.py --dtype float32
 # --one-call-rows 40): the one call won at every row count to 32 and past it, SmolLM2 (the
@@ -232,6 +231,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 # Bytes of weight rows made at a time by ``_linear_chunked`` (bf16 widened, int8 dequantized).
 WIDEN_CHUNK_BYTES = 8 << 20
+# ``_linear_chunked`` multiplies x's rows padded to a multiple of this. torch's float32 GEMM
+# (MKL) of a weight chunk by x transposed is slow at row counts off a multiple of 8: on a 2-core
+# AVX2 Zen 3 EPYC, Llama-3.2-1B's 16384x2048 widened took 39.9 ms at 31 rows against 21.9 at
+# 32, 41.7 at 47 against 25.0 at 48, 81.2 at 127 against 62.7 at 128.
+GEMM_ROW_ALIGN = 8
 _scratch = threading.local()
 
 
@@ -259,13 +263,16 @@ def _linear_chunked(x: torch.Tensor, n: int, dtype: torch.dtype,
     k = x.shape[-1]
     step = max(1, min(n, WIDEN_CHUNK_BYTES // (dtype.itemsize * k)))
     buf = _chunk_buffer(step * k, dtype)
-    xt = x.reshape(-1, k).to(dtype).T
+    rows = x.numel() // k
+    # x's rows padded with zeros to a multiple of GEMM_ROW_ALIGN: the padding rows' outputs
+    # are dropped, and the others' sums are unchanged
+    xt = F.pad(x.reshape(rows, k).to(dtype), (0, 0, 0, -rows % GEMM_ROW_ALIGN)).T
     out_t = torch.empty(n, xt.shape[1], dtype=dtype)  # y transposed, filled by rows
     for n0 in range(0, n, step):
         chunk = buf[: min(step, n - n0) * k].view(-1, k)
         weight_rows(chunk, n0)
         torch.mm(chunk, xt, out=out_t[n0 : n0 + chunk.shape[0]])
-    y = out_t.T
+    y = out_t[:, :rows].T
     if bias is not None:
         y = y + bias.to(dtype)
     return y.to(x.dtype).contiguous().view(*x.shape[:-1], n)

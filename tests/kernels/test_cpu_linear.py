@@ -139,6 +139,20 @@ def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
     assert native._scratch.buffers[torch.float32].data_ptr() == buffer.data_ptr()  # reused
 
 
+@pytest.mark.parametrize("rows", [1, 7, 9, 31])
+def test_widened_rows_off_a_multiple_of_eight(rows: int) -> None:
+    # torch's GEMM gets x padded to a multiple of GEMM_ROW_ALIGN rows; only x's own rows come
+    # back, each the product of its own row.
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    weight = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
+    out = native._linear_widened(x, weight, None)
+    assert out.shape == (rows, 40) and out.is_contiguous()
+    expected = _reference(x, weight, None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5 * float(expected.abs().max()),
+                               rtol=0)
+
+
 def test_the_buffer_made_in_inference_mode_serves_outside_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # An engine's step (inference mode) makes the thread's buffer; a later call outside
@@ -160,7 +174,7 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
     # bench/RESULTS.md: on AMX's tiles the kernel beats torch's GEMM to 32 rows (one pass);
     # with the dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX past 32
     # (a Zen 4 EPYC). float32 weights keep the kernel to 8 rows with AVX-512 and take it to 32
-    # with AVX2; bf16 weights widened (no dot product) to 32 too (an AVX2 Zen 3 EPYC).
+    # with AVX2; bf16 weights widened (no dot product) to 24 (an AVX2 Zen 3 EPYC).
     lib = native.library("cpu_linear")  # before the flags change: they key its build
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
@@ -168,7 +182,7 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
         dot, tiles = bool(lib.linear_has_bf16_dot()), bool(lib.linear_has_amx())
         assert native.cpu_has_amx() is amx
         assert native.linear_max_rows(torch.bfloat16) == (
-            32 if dot and tiles else 5 if dot and amx else 32)
+            32 if dot and tiles else 5 if dot and amx else 32 if dot else 24)
         assert native.linear_max_rows(torch.float32) == (
             32 if lib.linear_vector_floats() == 8 else 8)
     finally:
