@@ -115,7 +115,8 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # 690.2 at 24, and lost at 32 (802.2 against 765.2). With each kind's tiles specialised and
 # x's rows padded for torch's GEMM (GEMM_ROW_ALIGN; the same CPU, later that day): 537.9 against
 # 800.1 ms at 20, 630.1 against 765.3 at 24, 866.5 against 803.1 at 28, 1035.0 against 857.9 at
-# 31 (unpadded, torch's GEMM took 1367.0 ms at 31 rows, and the kernel won to 31).
+# 31 (unpadded, torch's GEMM took 1367.0 ms at 31 rows, and the kernel won to 31): the two
+# meet between 24 and 28, so the limit stays 24.
 LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
 # float32 weights where the kernel is built 8 floats a vector (AVX2, and the portable build;
 # measured on a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bench/decode_rows.py --dtype float32
