@@ -236,8 +236,6 @@ INLINE void rows_block_of(const float *x, const float *xa, const uint16_t *xh, c
         rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, BF16_DOT);
         break;
 #endif
-    default:
-        break;
     }
 }
 
@@ -367,9 +365,10 @@ static void amx_store(const float out[16][16], const float *xf, const uint16_t *
  * whole blocks (AMX_BLOCK rows) shared by the threads; a decode step of up to AMX_M rows reads
  * every weight once (a 2-core Xeon, 8192x2048: 34-36 GB/s from 1 to 8 rows, where the dot
  * product's tiles fell to 21 at 8 and torch's GEMM on AMX read 25; 26.5 at 16 rows, 20.0 at
- * 32, with blocks of 32 weight rows and one output a store). The tiles' own loop reads 26 GB/s at 32 rows on a second such Xeon, where the kernel
- * read 18: storing the outputs one at a time and widening x for nothing took the rest (16
- * outputs a store and x widened only for the tails: 1.12x at 16 rows, 1.23-1.25x at 32).
+ * 32, with blocks of 32 weight rows and one output a store). The tiles' own loop reads 26
+ * GB/s at 32 rows on a second such Xeon, where the kernel read 18: storing the outputs one
+ * at a time and widening x for nothing took the rest (16 outputs a store and x widened only
+ * for the tails: 1.12x at 16 rows, 1.23-1.25x at 32).
  * Weight rows past the last whole block (N % AMX_BLOCK: which ones depends on N alone) take the
  * dot product's tile; inputs past the last 32 (K % 32) are added after, in float32 (x as float32,
  * xf, is made only where there are either). */
