@@ -103,7 +103,11 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # call 31 ms against 39 layer by layer. With its weight vectors kept in registers (2026-12-06, a
 # 2-core Zen 4 EPYC, Llama-3.2-1B's decode steps, bench/decode_rows.py) the one call won to 32
 # rows: 96.3 against 166.1 ms at 8, 142.3 against 217.2 at 16, 277.9 against 320.6 at 32; it tied
-# at 40 (357.2 against 357.3) and lost at 48. Where torch's bf16 GEMM runs on AMX tiles (a 2-core
+# at 40 (357.2 against 357.3) and lost at 48. With the dot tiles back in the shared OpenMP body
+# (the same CPU model, later that day, --one-call-rows 128, two runs) it won to 80 rows: 247.1
+# against 293.7 at 32, 295.6-302.9 against 346.9-362.0 at 40, 351.8-361.1 against 412.1-418.0 at
+# 48, 384.7-394.2 against 412.8-435.7 at 64, 494.4 against 521.7 at 80; it tied at 96 (618.2
+# against 621.6) and lost at 128 (687.4 against 664.5). The limit is 64. Where torch's bf16 GEMM runs on AMX tiles (a 2-core
 # Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/decode_rows.py): the one C call
 # with the dot product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and
 # lost at 8 (130.3 against 112.7). The kernel on AMX's tiles itself (one pass over the weights for
@@ -125,7 +129,7 @@ LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
 # and 125.7 against 145.9 at 32, Llama-3.2-1B 948.3 against 1396.6 at 32 and 1261.0 against
 # 1512.8 at 40. Not measured with AVX-512.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
-LINEAR_MAX_ROWS_BF16_DOT = 32
+LINEAR_MAX_ROWS_BF16_DOT = 64
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32
 

@@ -19,8 +19,8 @@ NUM_NEW = 12
 def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
               shared_prefix: int = 0) -> tuple[list, int, LlamaForCausalLM]:
     """Greedy outputs with logprobs, how many steps ran as one C call, and the model."""
-    # every prompt prefilled in one step, so that the batch decodes and finishes together (34
-    # of up to 300 tokens where bf16 takes 32 rows)
+    # every prompt prefilled in one step, so that the batch decodes and finishes together (66
+    # of 5 to 140 tokens where bf16 takes 64 rows)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=1024,
                                     max_num_batched_tokens=8192))
     model = engine.runner.model
@@ -37,7 +37,7 @@ def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
     model._in_one_call = counted  # type: ignore[method-assign]
     rng = random.Random(3)
     prefix = [rng.randrange(200) for _ in range(shared_prefix)]
-    prompts = [prefix + [rng.randrange(200) for _ in range(5 + 9 * i)]
+    prompts = [prefix + [rng.randrange(200) for _ in range(5 + 9 * (i % 16))]
                for i in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
     return engine.generate(prompts, params), calls, model
@@ -48,7 +48,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
             for o in outputs]
 
 
-BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 32 (dot or AMX tiles), 5, or 24
+BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 64 (dot), 32 (AMX tiles), 5, or 24
 
 
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
