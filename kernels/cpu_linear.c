@@ -405,18 +405,19 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
-    /* x as float32 (xf; on AMX's tiles only where tails need it, else unused), and for bf16
-     * weights with each step's 2 * VL elements split into its even and its odd ones (xa) */
+    /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into its
+     * even and its odd ones (xa). The dot product (and AMX's tiles) read the bf16 x: xf then
+     * serves only the inputs past their last step (AMX: past the last 32, or the weight rows
+     * past the last whole block), and is made only where there are any. */
     const int dot = w_bf16 && x_bf16 && HAS_BF16_DOT; /* no split x: it reads the bf16 x */
     const int split_x = w_bf16 && !dot;
 #if HAS_AMX
-    /* AMX's tiles read the bf16 x; the float32 one serves only inputs and weight rows past
-     * the tiles' (K % 32, N % AMX_BLOCK) */
     const int amx = dot && amx_permitted();
-    const int widen = x_bf16 && (!amx || K % 32 || N % AMX_BLOCK);
+    const int tails = amx ? K % 32 || N % AMX_BLOCK : K % (2 * VL) != 0;
 #else
-    const int widen = x_bf16;
+    const int tails = K % (2 * VL) != 0;
 #endif
+    const int widen = x_bf16 && (!dot || tails);
     float *buffer = NULL;
     if (widen || split_x)
         buffer = malloc((size_t)((widen + split_x) * M * K) * sizeof *buffer);
