@@ -121,13 +121,17 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # 800.1 ms at 20, 630.1 against 765.3 at 24, 866.5 against 803.1 at 28, 1035.0 against 857.9 at
 # 31 (unpadded, torch's GEMM took 1367.0 ms at 31 rows, and the kernel won to 31): the two
 # meet between 24 and 28, so the limit stays 24.
-LINEAR_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 24}
+LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 24}
 # float32 weights where the kernel is built 8 floats a vector (AVX2, and the portable build;
 # measured on a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bench/decode_rows.py --dtype float32
 # --one-call-rows 40): the one call won at every row count to 32 and past it, SmolLM2 (the
 # default model, float32 the default dtype on such CPUs) 67.7 against 120.1 ms a step at 16 rows
 # and 125.7 against 145.9 at 32, Llama-3.2-1B 948.3 against 1396.6 at 32 and 1261.0 against
-# 1512.8 at 40. Not measured with AVX-512.
+# 1512.8 at 40. With AVX-512 (a 2-core Zen 4 EPYC, 2026-12-06, --dtype float32, each kind's
+# tiles compiled apart), to 64 rows (LINEAR_MAX_ROWS): SmolLM2 26.7 against 75.3 ms a step at 8
+# rows, 84.1 against 113.7 at 32, 140.4 against 151.5 at 64, 213.0 against 206.6 at 96; the 1B
+# 292.7 against 800.1 at 16, 602.5 against 1120.1 at 32, 919.3 against 1294.9 at 64. Not measured
+# on a Xeon.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
 LINEAR_MAX_ROWS_BF16_DOT = 64
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5

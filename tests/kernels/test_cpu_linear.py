@@ -173,8 +173,8 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
         monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool) -> None:
     # bench/RESULTS.md: on AMX's tiles the kernel beats torch's GEMM to 32 rows (one pass);
     # with the dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX past 64
-    # (a Zen 4 EPYC). float32 weights keep the kernel to 8 rows with AVX-512 and take it to 32
-    # with AVX2; bf16 weights widened (no dot product) to 24 (an AVX2 Zen 3 EPYC).
+    # (a Zen 4 EPYC). float32 weights take the kernel to 64 rows with AVX-512 (the same EPYC) and
+    # to 32 with AVX2; bf16 weights widened (no dot product) to 24 (an AVX2 Zen 3 EPYC).
     lib = native.library("cpu_linear")  # before the flags change: they key its build
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
@@ -184,7 +184,7 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
         assert native.linear_max_rows(torch.bfloat16) == (
             32 if dot and tiles else 5 if dot and amx else 64 if dot else 24)
         assert native.linear_max_rows(torch.float32) == (
-            32 if lib.linear_vector_floats() == 8 else 8)
+            32 if lib.linear_vector_floats() == 8 else 64)
     finally:
         native.linear_max_rows.cache_clear()
 
