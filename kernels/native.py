@@ -93,26 +93,26 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
                 ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"),
                 ("cpu_int8", "linear_int8"))
 # Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``); past
-# them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU has no
-# bf16 arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a step of
+# them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU has no bf16
+# arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a step of
 # SmolLM2's linears in float32 against torch's 60-72 ms. With bf16 weights, on a 2-core AVX2 EPYC
-# (2026-12-04), 8 rows against chunked widen-then-GEMM: 0.40 vs 0.80 ms for SmolLM2's 1536x576,
-# 6.9 vs 17.5 ms for Llama-3.2-1B's 8192x2048; at 32 rows they tie. On a 2-core Xeon with
-# AVX512-BF16, whose dot product of bf16 pairs the kernel then uses: 22.9 ms at 8 rows against
-# torch's bf16 GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step of 8 rows in one C
-# call 31 ms against 39 layer by layer. With its weight vectors kept in registers (2026-12-06, a
-# 2-core Zen 4 EPYC, Llama-3.2-1B's decode steps, bench/decode_rows.py) the one call won to 32
-# rows: 96.3 against 166.1 ms at 8, 142.3 against 217.2 at 16, 277.9 against 320.6 at 32; it tied
-# at 40 (357.2 against 357.3) and lost at 48. With the dot tiles back in the shared OpenMP body
-# (the same CPU model, later that day, --one-call-rows 128, two runs) it won to 80 rows: 247.1
-# against 293.7 at 32, 295.6-302.9 against 346.9-362.0 at 40, 351.8-361.1 against 412.1-418.0 at
-# 48, 384.7-394.2 against 412.8-435.7 at 64, 494.4 against 521.7 at 80; it tied at 96 (618.2
-# against 621.6) and lost at 128 (687.4 against 664.5). The limit is 64. Where torch's bf16 GEMM runs on AMX tiles (a 2-core
-# Xeon with AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/decode_rows.py): the one C call
-# with the dot product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and
-# lost at 8 (130.3 against 112.7). The kernel on AMX's tiles itself (one pass over the weights for
-# up to 32 rows) won at every row count to 32: 83.0 against 114.0 ms at 8 rows, 94.8 against 119.0
-# at 16, 126.1 against 133.5 at 32.
+# (2026-12-04), 8 rows against chunked widen-then-GEMM: 0.40 vs 0.80 ms for SmolLM2's 1536x576, 6.9
+# vs 17.5 ms for Llama-3.2-1B's 8192x2048; at 32 rows they tie. On a 2-core Xeon with AVX512-BF16,
+# whose dot product of bf16 pairs the kernel then uses: 22.9 ms at 8 rows against torch's bf16
+# GEMM's 23.6 (and 38.2 against 23.7 at 16), and a decode step of 8 rows in one C call 31 ms against
+# 39 layer by layer. With its weight vectors kept in registers (2026-12-06, a 2-core Zen 4 EPYC,
+# Llama-3.2-1B's decode steps, bench/decode_rows.py) the one call won to 32 rows: 96.3 against 166.1
+# ms at 8, 142.3 against 217.2 at 16, 277.9 against 320.6 at 32; it tied at 40 (357.2 against 357.3)
+# and lost at 48. With the dot tiles back in the shared OpenMP body (the same CPU model, later that
+# day, --one-call-rows 128, two runs) it won to 80 rows: 247.1 against 293.7 at 32, 295.6-302.9
+# against 346.9-362.0 at 40, 351.8-361.1 against 412.1-418.0 at 48, 384.7-394.2 against 412.8-435.7
+# at 64, 494.4 against 521.7 at 80; it tied at 96 (618.2 against 621.6) and lost at 128 (687.4
+# against 664.5). The limit is 64. Where torch's bf16 GEMM runs on AMX tiles (a 2-core Xeon with
+# AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/decode_rows.py): the one C call with the dot
+# product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and lost at 8
+# (130.3 against 112.7). The kernel on AMX's tiles itself (one pass over the weights for up to 32
+# rows) won at every row count to 32: 83.0 against 114.0 ms at 8 rows, 94.8 against 119.0 at 16,
+# 126.1 against 133.5 at 32.
 # Widened bf16 past 8 rows (a 2-core AVX2 Zen 3 EPYC, 2026-12-06, Llama-3.2-1B's decode steps,
 # bench/decode_rows.py --one-call-rows 32): the one call won to 24 rows, 345.2 against 657.2 ms
 # at 12 (torch's float32 GEMM is slow at so few rows), 432.7 against 481.1 at 16, 634.1 against
