@@ -49,7 +49,7 @@ SYSTEM_TOKENS = 170
 USER_TOKENS = (20, 60)
 OUTPUT_TOKENS = (8, 64)
 SINGLE_TOKENS = 64
-SINGLE_TRIES = 3  # a lone request's time per token: the best of this many
+SINGLE_TRIES = 4  # a lone request's time per token: the best of this many
 
 
 @dataclass(frozen=True)
@@ -168,6 +168,29 @@ def llama_per_token(url: str, prompt: list[int]) -> float:
 
 # -- the comparison ----------------------------------------------------------------------------
 
+def lone_side_by_side(args: argparse.Namespace, prompt: list[int]) -> dict[str, float]:
+    """Seconds a token of ``prompt`` alone on kvbatch (a fresh engine, after one untimed try)
+    and, with ``args.llama_server``, on llama.cpp (a server of one slot): the best of
+    ``SINGLE_TRIES`` each, taken in turn. These machines' memory speed moves by a third within
+    minutes, so tries minutes apart would compare the moments, not the systems."""
+    engine = kvbatch_engine(args)
+    kvbatch_per_token(engine, prompt)
+    ours: list[float] = []
+    theirs: list[float] = []
+    if args.llama_server:
+        log = Path(args.out) / "llama-server-1.log"
+        try:
+            with llama_server(args, 1, log) as url:
+                for _ in range(SINGLE_TRIES):
+                    ours.append(kvbatch_per_token(engine, prompt))
+                    theirs.append(llama_per_token(url, prompt))
+        except OSError as exc:
+            print(f"llama.cpp alone failed ({exc}); see {log}", flush=True)
+    while len(ours) < SINGLE_TRIES:
+        ours.append(kvbatch_per_token(engine, prompt))
+    return {"kvbatch": min(ours), **({"llama.cpp": min(theirs)} if theirs else {})}
+
+
 def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
     """Every ``args.concurrency`` on kvbatch (and llama-server with ``args.llama_server``), and
     one request alone on each: the runs, and seconds a token of the lone request by system."""
@@ -178,7 +201,7 @@ def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(args.model))
     runs: list[Run] = []
     per_token: dict[str, float] = {}
-    single: list[int] = []  # the lone request, for both
+    single: list[int] = []  # the lone request, for both systems
     for n in args.concurrency:
         w = shared_system_workload("peer", tokenizer, 3 * n, SYSTEM_TOKENS, USER_TOKENS,
                                    OUTPUT_TOKENS, args.seed)
@@ -186,10 +209,7 @@ def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
         for k, cache in enumerate(("cold", "warm", "warm")):
             seconds, tokens = kvbatch_run(engine, split(w, n, k))
             runs.append(Run("kvbatch", n, cache, seconds, tokens))
-        if "kvbatch" not in per_token:
-            single = w.prompts[0]  # for llama.cpp too
-            per_token["kvbatch"] = min(kvbatch_per_token(engine, single)
-                                       for _ in range(SINGLE_TRIES))
+        single = single or w.prompts[0]
         del engine
         if args.llama_server:
             slots = min(max(n, 32), args.slots)
@@ -201,14 +221,8 @@ def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
                         runs.append(Run("llama.cpp", n, cache, seconds, tokens))
             except OSError as exc:  # the table still shows the rest
                 print(f"llama.cpp at {n} requests failed ({exc}); see {log}", flush=True)
-    if args.llama_server and single:  # one request alone: best on a server of one slot
-        log = Path(args.out) / "llama-server-1.log"
-        try:
-            with llama_server(args, 1, log) as url:
-                per_token["llama.cpp"] = min(llama_per_token(url, single)
-                                             for _ in range(SINGLE_TRIES))
-        except OSError as exc:
-            print(f"llama.cpp alone failed ({exc}); see {log}", flush=True)
+    if single:
+        per_token.update(lone_side_by_side(args, single))
     print_table(runs, per_token)
     return runs, per_token
 
