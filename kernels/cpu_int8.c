@@ -446,6 +446,27 @@ INLINE void rows_block_fixed(const int16_t *xq, const float *xs, const int8_t *q
     }
 }
 
+/* ROWS weight rows from n0 by rows_block_fixed, `grouped` a constant in each branch without
+ * VNNI: GCC outlines an OpenMP loop's body before it inlines (see cpu_linear.c's
+ * rows_block_of), and on a 2-core AVX2 Zen 3 EPYC a lone row of the 1B's per-channel int8
+ * matrices read 1.06-1.10x faster so. With VNNI (a 2-core Zen 4 EPYC) they read 0.94-0.99x as
+ * fast at 2-32 rows, as the dot product's tiles did in cpu_linear.c, so `grouped` stays a
+ * variable there: per channel 1.01-1.10x, groups of 32 0.93-1.07x (mostly 0.98). The same bits
+ * either way. */
+INLINE void rows_block_fixed_of(const int16_t *xq, const float *xs, const int8_t *q,
+                                const float *scale, const float *bias, void *y, int y_bf16,
+                                int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t Kp,
+                                int64_t n0, int grouped) {
+#if HAS_VNNI
+    rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n0, ROWS, grouped);
+#else
+    if (grouped)
+        rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n0, ROWS, 1);
+    else
+        rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n0, ROWS, 0);
+#endif
+}
+
 /* Per-channel scales, or (`grouped`, a constant where inlined) groups of 32. */
 INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
@@ -469,15 +490,8 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
         const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < full; b++)
-            /* `grouped` a constant in each branch: GCC outlines this body before it inlines
-             * (see cpu_linear.c's rows_block_of). On a 2-core AVX2 Zen 3 EPYC, a lone row of
-             * the 1B's per-channel int8 matrices read 1.06-1.10x faster, the same bits. */
-            if (grouped)
-                rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS,
-                                 ROWS, 1);
-            else
-                rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS,
-                                 ROWS, 0);
+            rows_block_fixed_of(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS,
+                                grouped);
         for (int64_t n = full * ROWS; n < N; n++)
             rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1, grouped);
     }
