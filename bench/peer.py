@@ -185,7 +185,7 @@ def lone_side_by_side(args: argparse.Namespace, prompt: list[int]) -> dict[str, 
                 for _ in range(SINGLE_TRIES):
                     ours.append(kvbatch_per_token(engine, prompt))
                     theirs.append(llama_per_token(url, prompt))
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
             print(f"llama.cpp alone failed ({exc}); see {log}", flush=True)
     while len(ours) < SINGLE_TRIES:
         ours.append(kvbatch_per_token(engine, prompt))
@@ -220,7 +220,7 @@ def compare(args: argparse.Namespace) -> tuple[list[Run], dict[str, float]]:
                     for k, cache in enumerate(("cold", "warm", "warm")):
                         seconds, tokens = llama_run(url, split(w, n, k))
                         runs.append(Run("llama.cpp", n, cache, seconds, tokens))
-            except OSError as exc:  # the table still shows the rest
+            except (OSError, RuntimeError) as exc:  # the table still shows the rest
                 print(f"llama.cpp at {n} requests failed ({exc}); see {log}", flush=True)
     if single:
         per_token.update(lone_side_by_side(args, single))

@@ -234,8 +234,10 @@ INLINE void rows_block_of(const float *x, const float *xa, const uint16_t *xh, c
     case BF16_WIDENED:
         rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, BF16_WIDENED);
         break;
-    default: /* BF16_DOT */
+#if HAS_BF16_DOT
+    default: /* BF16_DOT, `kind` left a variable (a `case` would make it a constant) */
         rows_block(x, xa, xh, w, bias, y, y_bf16, m, M, N, K, n0, R, kind);
+#endif
     }
 }
 
@@ -371,7 +373,7 @@ static void amx_store(const float out[16][16], const float *xf, const uint16_t *
  * for the tails: 1.12x at 16 rows, 1.23-1.25x at 32).
  * Weight rows past the last whole block (N % AMX_BLOCK: which ones depends on N alone) take the
  * dot product's tile; inputs past the last 32 (K % 32) are added after, in float32 (x as float32,
- * xf, is made only where there are either). */
+ * xf, is made only where there are any: the dot product's tile reads it for those alone). */
 static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
                        const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                        int num_threads) {
@@ -406,18 +408,12 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into its
-     * even and its odd ones (xa). The dot product (and AMX's tiles) read the bf16 x: xf then
-     * serves only the inputs past their last step (AMX: past the last 32, or the weight rows
-     * past the last whole block), and is made only where there are any. */
+     * even and its odd ones (xa). The dot product and AMX's tiles read the bf16 x: xf then
+     * serves only the inputs past the last 2 * VL (32, AMX's step too), and is made only where
+     * there are any. */
     const int dot = w_bf16 && x_bf16 && HAS_BF16_DOT; /* no split x: it reads the bf16 x */
     const int split_x = w_bf16 && !dot;
-#if HAS_AMX
-    const int amx = dot && amx_permitted();
-    const int tails = amx ? K % 32 || N % AMX_BLOCK : K % (2 * VL) != 0;
-#else
-    const int tails = K % (2 * VL) != 0;
-#endif
-    const int widen = x_bf16 && (!dot || tails);
+    const int widen = x_bf16 && (!dot || K % (2 * VL));
     float *buffer = NULL;
     if (widen || split_x)
         buffer = malloc((size_t)((widen + split_x) * M * K) * sizeof *buffer);
@@ -430,7 +426,7 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
     }
     const float *xa = xf;
 #if HAS_AMX
-    if (amx) {
+    if (dot && amx_permitted()) {
         linear_amx(xf, x, w, bias, y, y_bf16, M, N, K, num_threads);
         free(buffer);
         return;

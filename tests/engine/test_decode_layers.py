@@ -49,6 +49,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
 
 
 BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 64 (dot), 32 (AMX tiles), 5, or 24
+F32_ROWS = native.linear_max_rows(torch.float32)  # 64 (AVX-512) or 32
 
 
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
@@ -56,6 +57,7 @@ BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 64 (dot), 32 (AMX tiles), 
     ("qwen2-bias", "float32", 3, 0),  # the qkv bias
     ("qwen2-bias", "bfloat16", 2, 0),  # its float32 copy
     ("llama-gqa8-tied", "bfloat16", BF16_ROWS, 0),  # as many rows as bf16 takes
+    ("llama-gqa8-tied", "float32", F32_ROWS, 0),  # as many rows as float32 takes
     ("mistral-sharded", "bfloat16", 1, 0),  # a lone request
     # a prefix cheap enough to read per row: no cascade, so one call (not torch's attention)
     ("llama-gqa3-hd10", "float32", 2, 64),
@@ -81,6 +83,7 @@ def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Pat
 
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
     ("llama-gqa8-tied", "bfloat16", BF16_ROWS + 2, 0),  # more rows than bf16 takes
+    ("llama-gqa8-tied", "float32", F32_ROWS + 2, 0),  # more rows than float32 takes
     ("qwen3-sharded", "float32", 2, 0),  # per-head q/k norms
     # a prefix too long to read per row (7 x 160 tokens of KV > a quarter of the weights):
     # cascade, which torch attends

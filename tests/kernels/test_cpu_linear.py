@@ -17,7 +17,8 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 40])  # past linear_max_rows: torch GEMM
+# past linear_max_rows, torch's GEMM: 40 rows with AVX2, 72 with AVX-512
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 40, 72])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
@@ -26,7 +27,8 @@ def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torc
                                           with_bias: bool, kernel: str) -> None:
     # "c": the C kernel whatever linear_max_rows says (its tiles: a lone row's stream; 2 and 3
     # rows in 2-row tiles; 7, 8, 9 and 40 in 4-row tiles and what is left, 7 in one of each
-    # kind; on AMX, 20 rows in x tiles of 16 and 4, 40 in a pass of 32 and one of 8).
+    # kind, 72 in a chunk of 64 rows and one of 8; on AMX, 20 rows in x tiles of 16 and 4, 40 in
+    # a pass of 32 and one of 8).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).to(dtype)
@@ -171,10 +173,11 @@ def test_the_buffer_made_in_inference_mode_serves_outside_it(
                                             ("flags : avx512f avx512_bf16", False)])
 def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
         monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool) -> None:
-    # bench/RESULTS.md: on AMX's tiles the kernel beats torch's GEMM to 32 rows (one pass);
-    # with the dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX past 64
-    # (a Zen 4 EPYC). float32 weights take the kernel to 64 rows with AVX-512 (the same EPYC) and
-    # to 32 with AVX2; bf16 weights widened (no dot product) to 24 (an AVX2 Zen 3 EPYC).
+    # bench/RESULTS.md: on AMX's tiles the kernel beats torch's GEMM to 32 rows (one pass); with the
+    # dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX the kernel is taken to
+    # 64 (a Zen 4 EPYC: it won to 80, tied at 96). float32 weights take the kernel to 64 rows with
+    # AVX-512 (the same EPYC) and to 32 with AVX2; bf16 weights widened (no dot product) to 24 (an
+    # AVX2 Zen 3 EPYC).
     lib = native.library("cpu_linear")  # before the flags change: they key its build
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
