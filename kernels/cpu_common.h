@@ -22,6 +22,18 @@ typedef uint16_t vh_u __attribute__((vector_size(VL * 2), aligned(2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 typedef _Float16 vhf_u __attribute__((vector_size(VL * 2), aligned(2)));
 
+/* Keeps vector v (or a and b) in a register where it is used several times (gcc 12 loaded it
+ * again for each use: see cpu_linear.c's tiles). Only where one register holds VL floats (AVX,
+ * AVX-512): without AVX (x86's baseline, a portable build) the constraint is impossible, and
+ * there it is nothing. */
+#if defined(__AVX__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#define IN_REGISTERS(a, b) __asm__("" : "+v"(a), "+v"(b))
+#else
+#define IN_REGISTER(v) ((void)0)
+#define IN_REGISTERS(a, b) ((void)0)
+#endif
+
 /* A lone stream of weights (one x row, one weight row after another) asks for the bytes
  * STREAM_AHEAD past the ones it reads into L2 (prefetcht1; prefetches never fault, so past the
  * matrix's end is harmless). The hardware prefetcher alone left a 2-core Xeon with AMX at

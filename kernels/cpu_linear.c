@@ -123,7 +123,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
                 /* kept in a register for the P rows: gcc 12 loaded it again for each x row,
                  * two loads a product (with the weights in L2, 1.55x at 32 rows on a 2-core
                  * Zen 4 EPYC) */
-                __asm__("" : "+v"(pairs[r]));
+                IN_REGISTER(pairs[r]);
             }
             for (int p = 0; p < P; p++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + (m0 + p) * K + k);
@@ -139,7 +139,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
                 const vu pairs = *(const vu_u *)((const uint16_t *)w + (n0 + r) * K + k);
                 lo[r] = (vf)(pairs << 16);
                 hi[r] = (vf)(pairs & 0xFFFF0000u);
-                __asm__("" : "+v"(lo[r]), "+v"(hi[r])); /* as the dot tile's pairs */
+                IN_REGISTERS(lo[r], hi[r]); /* as the dot tile's pairs */
             }
             for (int p = 0; p < P; p++) {
                 const vf even = *(const vf_u *)(xa + (m0 + p) * K + k);
@@ -153,7 +153,7 @@ INLINE void tile(const float *x, const float *xa, const uint16_t *xh, const void
             vf wv[ROWS];
             for (int r = 0; r < R; r++) {
                 wv[r] = *(const vf_u *)((const float *)w + (n0 + r) * K + k);
-                __asm__("" : "+v"(wv[r])); /* as the dot tile's pairs */
+                IN_REGISTER(wv[r]); /* as the dot tile's pairs */
             }
             for (int p = 0; p < P; p++) {
                 const vf xv = *(const vf_u *)(x + (m0 + p) * K + k);
