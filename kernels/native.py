@@ -46,9 +46,7 @@ import torch.nn.functional as F
 
 # -fno-trapping-math (values unchanged; torch builds with it too) lets GCC turn the branches of
 # exp's clamps into selects: without AVX-512's masks, the loops calling exp would not vectorise.
-CFLAGS = (
-    "-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"
-)
+CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # as the C files number them
 CACHE_ENV = "KVBATCH_CACHE_DIR"
 
@@ -161,12 +159,13 @@ def _compiler() -> str:
 
 
 @cache
-def library(name: str, sources: Path | None = None) -> ctypes.CDLL:
-    """The compiled kernels of ``kernels/<name>.c``, built on first use; or of ``<name>.c`` in
-    ``sources`` with its headers (another revision's, for ``bench/kernel_ab.py``)."""
+def library(name: str, sources: Path | None = None, march: str = "native") -> ctypes.CDLL:
+    """The compiled kernels of ``kernels/<name>.c``, built on first use for this CPU (or for
+    ``-march=<march>``); or of ``<name>.c`` in ``sources`` with its headers (another
+    revision's, for ``bench/kernel_ab.py``)."""
     extra, functions = LIBRARIES[name]
     source = (sources or Path(__file__).parent) / f"{name}.c"
-    flags = (*CFLAGS, *extra)
+    flags = (*CFLAGS, f"-march={march}", *extra)
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_common.h

@@ -1,10 +1,7 @@
 """The C kernels built for a CPU without AVX (x86-64's baseline, SSE2): each builds, and the
 linear, whose tiles pin vectors in registers that such a CPU lacks, gives the exact product."""
 
-import ctypes
 import platform
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,30 +12,14 @@ pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                                 reason="-march=x86-64 is x86's baseline")
 
 
-def _build(name: str, into: Path) -> ctypes.CDLL:
-    extra, functions = native.LIBRARIES[name]
-    flags = [f if f != "-march=native" else "-march=x86-64" for f in (*native.CFLAGS, *extra)]
-    source = Path(native.__file__).parent / f"{name}.c"
-    target = into / f"{name}-x86-64.so"
-    proc = subprocess.run([native._compiler(), *flags, str(source), "-o", str(target), "-lm"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    lib = ctypes.CDLL(str(target))
-    for function, argtypes in functions.items():
-        getattr(lib, function).restype = None
-        getattr(lib, function).argtypes = argtypes
-    return lib
-
-
 @pytest.mark.parametrize("name", sorted(native.LIBRARIES))
-def test_every_kernel_builds_without_avx(name: str, tmp_path: Path) -> None:
-    _build(name, tmp_path)
+def test_every_kernel_builds_without_avx(name: str) -> None:
+    native.library(name, march="x86-64")
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_linear_without_avx_gives_the_exact_product(w_dtype: torch.dtype,
-                                                        tmp_path: Path) -> None:
-    lib = _build("cpu_linear", tmp_path)
+def test_the_linear_without_avx_gives_the_exact_product(w_dtype: torch.dtype) -> None:
+    lib = native.library("cpu_linear", march="x86-64")
     assert lib.linear_vector_floats() == 8 and not lib.linear_has_bf16_dot()
     gen = torch.Generator().manual_seed(7)
     for rows in (1, 3, 9):  # a lone row's stream, 2-row tiles, 4-row tiles and the rest
