@@ -31,6 +31,7 @@
  * (rounded to nearest even, as torch rounds).
  */
 #include "cpu_common.h"
+#include "cpu_amx.h"
 
 #include <stdlib.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -45,6 +46,11 @@
 #define HAS_VNNI 1
 #else
 #define HAS_VNNI 0
+#endif
+#if HAS_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAS_AMX_INT8 1 /* per-channel int8 on AMX's int8 tiles (linear_amx_int8) */
+#else
+#define HAS_AMX_INT8 0
 #endif
 #if HAS_VNNI || (defined(__AVX2__) && defined(__FMA__))
 #define HAS_FIXED 1 /* the fixed-point path: VNNI's, or AVX2's (vpmaddwd) */
@@ -188,11 +194,12 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
  * an add per 16): two instructions for what the float path takes eight with AVX-512 (which
  * left a core compute-bound at ~15 GB/s of int8 weights, under memory speed), and on AVX2
  * where the float path read 1.5-3 GB/s. The lanes hold at most 256 steps (K_CHUNK inputs; AVX2's
- * 8 lanes then hold 1024 products: 1024 * X16_MAX * 128 < 2^31) before they are added, as
- * floats, to the row's total. x's rounding is at most half of max|x_m| / X16_MAX an element,
- * far below the weights' own (half a step of max|w_n| / 127), and a row's result still depends
- * on that row alone. The int32 sums are exact, so AVX2 and VNNI differ only in the lanes'
- * float adds (16 lanes or 8).
+ * 8 lanes then hold 1024 products: 1024 * X16_MAX * 128 < 2^31) before they are added into the
+ * output's int64 sum. So each output's sum of x * q is exact and is rounded to float once
+ * (store_channel): AVX2, VNNI and AMX's tiles (linear_amx_int8) give the same bits, and which
+ * of them runs may depend on the row count without breaking the batch-invariant mode. x's
+ * rounding is at most half of max|x_m| / X16_MAX an element, far below the weights' own (half a
+ * step of max|w_n| / 127), and a row's result depends on that row alone.
  *
  * Groups of 32 (GGUF's Q8_0): each group is one dot32 from zero, its lanes converted to float
  * and multiplied by the group's scale (see group_sum); the float path took eight instructions
@@ -209,6 +216,11 @@ INLINE v32 w32_load(const int8_t *p) {
 INLINE vacc dot32(vacc a, v32 x, v32 w) { return _mm512_dpwssd_epi32(a, x, w); }
 INLINE vacc acc_zero(void) { return _mm512_setzero_si512(); }
 INLINE float fl_sum(vfl v) { return _mm512_reduce_add_ps(v); }
+INLINE int64_t acc_sum64(vacc a) { /* the lanes' exact sum */
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(
+        _mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+        _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+}
 #else
 #define MM(op) _mm256_##op
 typedef struct { __m256i lo, hi; } v32;
@@ -227,6 +239,12 @@ INLINE vacc dot32(vacc a, v32 x, v32 w) {
                                                 _mm256_madd_epi16(x.hi, w.hi)));
 }
 INLINE vacc acc_zero(void) { return _mm256_setzero_si256(); }
+INLINE int64_t acc_sum64(vacc a) { /* the lanes' exact sum */
+    const __m256i s = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                                       _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+    const __m128i h = _mm_add_epi64(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    return _mm_cvtsi128_si64(h) + _mm_extract_epi64(h, 1);
+}
 INLINE float fl_sum(vfl v) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -243,16 +261,21 @@ INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return MM(fmadd_ps)(a, b, c); }
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
-/* Output (m, n): the float lanes of its int32 sums, plus the last K % 32 inputs, scaled by x's
- * scale and the channel's (1 where the groups' scales are in the total already). */
-INLINE void store_fixed(vfl total, const int16_t *xq, const float *xs, const int8_t *q,
-                       float channel_scale, const float *bias, void *y, int y_bf16, int64_t N,
-                       int64_t K, int64_t Kp, int64_t m, int64_t n) {
-    int64_t tail = 0;
+/* Output (m, n) of per-channel weights: the exact sum of x * q (the last K % 32 inputs added
+ * here), rounded to float once, times x's scale and the channel's. */
+INLINE void store_channel(int64_t sum, const int16_t *xq, const float *xs, const int8_t *q,
+                          const float *scale, const float *bias, void *y, int y_bf16, int64_t N,
+                          int64_t K, int64_t Kp, int64_t m, int64_t n) {
     for (int64_t k = K - K % 32; k < K; k++)
-        tail += (int64_t)xq[m * Kp + k] * q[n * K + k];
-    const float s = (fl_sum(total) + (float)tail) * xs[m] * channel_scale;
-    store_out(y, y_bf16, m * N + n, s, bias, n);
+        sum += (int64_t)xq[m * Kp + k] * q[n * K + k];
+    store_out(y, y_bf16, m * N + n, (float)sum * xs[m] * scale[n], bias, n);
+}
+
+/* Output (m, n) of groups of 32 (whole groups: no tail): its float lanes, the groups' scales in
+ * them already, times x's scale. */
+INLINE void store_groups(vfl total, const float *xs, const float *bias, void *y, int y_bf16,
+                         int64_t N, int64_t m, int64_t n) {
+    store_out(y, y_bf16, m * N + n, fl_sum(total) * xs[m], bias, n);
 }
 
 /* One or two (`two`, a constant where inlined) groups of 32 of one output: x's int16 fixed
@@ -294,10 +317,10 @@ INLINE void tile_groups(const int16_t *xq, const int8_t *q, const float *scale, 
 }
 
 /* Inputs c0 .. c1 (at most K_CHUNK, whole steps of 32) of a tile with per-channel scales,
- * summed in int32 lanes and added to the totals as floats. */
+ * summed in int32 lanes and added into the outputs' int64 sums. */
 INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp, int64_t m0,
                        int64_t n0, int64_t c0, int64_t c1, const int8_t *ahead,
-                       int ahead_rows, vfl total[XROWS][ROWS], const int P, const int R) {
+                       int ahead_rows, int64_t sum[XROWS][ROWS], const int P, const int R) {
     vacc acc[XROWS][ROWS];
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
@@ -318,7 +341,7 @@ INLINE void tile_chunk(const int16_t *xq, const int8_t *q, int64_t K, int64_t Kp
     }
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            total[p][r] = fl_add(total[p][r], acc_float(acc[p][r]));
+            sum[p][r] += acc_sum64(acc[p][r]);
 }
 
 /* Rows n0 .. n0 + R of y for x rows m0 .. m0 + P, per-channel scales or (`grouped`) groups of
@@ -329,26 +352,30 @@ INLINE void tile_fixed(const int16_t *xq, const float *xs, const int8_t *q, cons
                       int64_t Kp, int64_t m0, int64_t n0, int ahead_rows, const int P,
                       const int R, const int grouped) {
     const int8_t *ahead = q + (n0 + 2 * ROWS <= N ? n0 + ROWS : n0) * K;
-    vfl total[XROWS][ROWS];
-    for (int p = 0; p < P; p++)
-        for (int r = 0; r < R; r++)
-            total[p][r] = fl_zero();
     if (grouped) {
+        vfl total[XROWS][ROWS];
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < R; r++)
+                total[p][r] = fl_zero();
         const int64_t k2 = K - K % 64;
         for (int64_t k = 0; k < k2; k += 64)
             tile_groups(xq, q, scale, K, Kp, m0, n0, k, ahead, ahead_rows, total, P, R, 1);
         if (k2 < K)
             tile_groups(xq, q, scale, K, Kp, m0, n0, k2, ahead, ahead_rows, total, P, R, 0);
-    } else {
-        const int64_t kv = K - K % 32;
-        for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK)
-            tile_chunk(xq, q, K, Kp, m0, n0, c0, c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv, ahead,
-                       ahead_rows, total, P, R);
+        for (int p = 0; p < P; p++)
+            for (int r = 0; r < R; r++)
+                store_groups(total[p][r], xs, bias, y, y_bf16, N, m0 + p, n0 + r);
+        return;
     }
+    int64_t sum[XROWS][ROWS] = {{0}};
+    const int64_t kv = K - K % 32;
+    for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK)
+        tile_chunk(xq, q, K, Kp, m0, n0, c0, c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv, ahead,
+                   ahead_rows, sum, P, R);
     for (int p = 0; p < P; p++)
         for (int r = 0; r < R; r++)
-            store_fixed(total[p][r], xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16,
-                       N, K, Kp, m0 + p, n0 + r);
+            store_channel(sum[p][r], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m0 + p,
+                          n0 + r);
 }
 
 /* One x row by weight rows n0 .. n0 + R a row at a time, as cpu_linear.c reads for a lone
@@ -365,8 +392,8 @@ INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const
     for (int r = 0; r < R; r++) {
         const int8_t *qr = q + (n0 + r) * K;
         const float *sr = scale + (n0 + r) * groups;
-        vfl total = fl_zero();
         if (grouped) {
+            vfl total = fl_zero();
             for (int64_t k = 0; k < k2; k += 64) {
                 prefetch_stream(qr + k);
                 total = fl_add(
@@ -377,7 +404,11 @@ INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const
                 const v32 x0 = x32_load(xr + k2), w0 = w32_load(qr + k2);
                 total = fl_add(total, group_sum(x0, w0, sr + k2 / 32, x0, w0, 0));
             }
-        } else {
+            store_groups(total, xs, bias, y, y_bf16, N, m, n0 + r);
+            continue;
+        }
+        int64_t sum = 0;
+        {
             for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
                 const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
                 vacc acc[FIXED_ACC];
@@ -396,11 +427,10 @@ INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const
                                                  w32_load(qr + k));
                 for (int a = 1; a < FIXED_ACC; a++)
                     acc[0] = acc_add(acc[0], acc[a]);
-                total = fl_add(total, acc_float(acc[0]));
+                sum += acc_sum64(acc[0]);
             }
         }
-        store_fixed(total, xq, xs, q, grouped ? 1.0f : scale[n0 + r], bias, y, y_bf16, N, K, Kp,
-                   m, n0 + r);
+        store_channel(sum, xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0 + r);
     }
 }
 
@@ -467,10 +497,147 @@ INLINE void rows_block_fixed_of(const int16_t *xq, const float *xs, const int8_t
 #endif
 }
 
+#if HAS_AMX_INT8
+/* Per-channel int8 weights on AMX's int8 tiles. x's int16 fixed point (as above) is split into
+ * a signed high byte and an unsigned low one, x = 256 * hi + lo (hi in -64 .. 63: |x| <=
+ * X16_MAX); a tile of 16 weight rows by 64 inputs (64 bytes of each row, loaded with the rows'
+ * stride: the weights keep their layout) times the same inputs of up to 16 x rows' hi bytes
+ * (tdpbssd) and lo bytes (tdpbsud) accumulates two int32 tiles. So each output's sum of x * q
+ * is exact, as an int64 (256 * hi's + lo's, the tiles stored every AMXQ_K_CHUNK inputs, before
+ * lo's could pass 2^31: 65536 * 255 * 128 < 2^31), rounded to float once by store_channel: the
+ * VNNI path's bits.
+ * A thread takes blocks of 16 weight rows, all of K, with up to 2 x 16 x rows a pass (AMXQ_M):
+ * one pass over the weights for up to 32 rows. From AMXQ_FROM rows: on a 2-core Xeon with AMX
+ * (the 1B's four matrices, bf16 rows, GFLOP/s against the VNNI path's) 1.01x at 8 rows, 1.67x
+ * at 16, 2.12x at 32, 2.13x at 64; at 1-4 rows it read 0.92-0.95x as fast. */
+#define AMXQ_M 32
+#define AMXQ_FROM 8
+#define AMXQ_K_CHUNK 65536
+
+/* Tile 0: weights (16 rows by 64 int8); 1 and 2: the hi and lo bytes of the first Pa x rows
+ * (16 rows of 4 inputs by the x rows), 3 those of the next Pb, one after the other; 4 and 5:
+ * the first Pa rows' hi and lo sums, 6 and 7 the next Pb's (3, 6 and 7 are left unconfigured
+ * where Pb is 0). */
+static inline void amxq_configure(int Pa, int Pb) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = 16;
+    c.colsb[0] = 64;
+    for (int t = 1; t < 8; t++)
+        if (t != 3 && t < 6)
+            c.rows[t] = 16, c.colsb[t] = (uint16_t)(Pa * 4);
+        else if (Pb)
+            c.rows[t] = 16, c.colsb[t] = (uint16_t)(Pb * 4);
+    _tile_loadconfig(&c);
+}
+
+/* x rows m0 .. m0 + P (int16, Kp apart) as the hi and lo tiles of each 64 inputs to kv:
+ * [kv / 64][16 quads][P][4] bytes each. */
+static void amxq_pack(const int16_t *xq, int64_t Kp, int64_t kv, int64_t m0, int P, int8_t *hi,
+                      uint8_t *lo) {
+    for (int64_t k = 0; k < kv; k += 4)
+        for (int p = 0; p < P; p++)
+            for (int i = 0; i < 4; i++) {
+                const int16_t v = xq[(m0 + p) * Kp + k + i];
+                hi[(k / 4 * P + p) * 4 + i] = (int8_t)(v >> 8);
+                lo[(k / 4 * P + p) * 4 + i] = (uint8_t)(v & 0xff);
+            }
+}
+
+/* The exact sums of the 16 int8 weight rows from q (K apart) by x rows' hi and lo bytes over
+ * inputs k0 .. k1 (whole steps of 64) added to sums[x row][weight row]: Pa rows from (ha, la),
+ * Pb from (hb, lb). */
+static inline void amxq_tiles(const int8_t *q, int64_t K, const int8_t *ha, const uint8_t *la,
+                              const int8_t *hb, const uint8_t *lb, int64_t k0, int64_t k1,
+                              int Pa, int Pb, int64_t sums[AMXQ_M][16]) {
+    _tile_zero(4);
+    _tile_zero(5);
+    if (Pb) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    for (int64_t k = k0; k < k1; k += 64) {
+        _tile_loadd(0, q + k, K);
+        _tile_loadd(1, ha + k * Pa, Pa * 4);
+        _tile_dpbssd(4, 0, 1);
+        _tile_loadd(2, la + k * Pa, Pa * 4);
+        _tile_dpbsud(5, 0, 2);
+        if (Pb) {
+            _tile_loadd(3, hb + k * Pb, Pb * 4);
+            _tile_dpbssd(6, 0, 3);
+            _tile_loadd(3, lb + k * Pb, Pb * 4);
+            _tile_dpbsud(7, 0, 3);
+        }
+    }
+    int32_t t[4][16][16];
+    _tile_stored(4, t[0], 64);
+    _tile_stored(5, t[1], 64);
+    if (Pb) {
+        _tile_stored(6, t[2], 64);
+        _tile_stored(7, t[3], 64);
+    }
+    for (int i = 0; i < 16; i++) {
+        for (int p = 0; p < Pa; p++)
+            sums[p][i] += 256 * (int64_t)t[0][i][p] + t[1][i][p];
+        for (int p = 0; p < Pb; p++)
+            sums[Pa + p][i] += 256 * (int64_t)t[2][i][p] + t[3][i][p];
+    }
+}
+
+/* y for M x rows (int16 fixed point xq, Kp apart, scales xs) by the per-channel int8 weights'
+ * whole blocks of 16 rows; the inputs past the last 64 are added in integers, the rows past the
+ * last block (N % 16) take the VNNI path. */
+static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
+                            const float *scale, const float *bias, void *y, int y_bf16,
+                            int64_t M, int64_t N, int64_t K, int64_t Kp, int num_threads) {
+    const int64_t blocks = N / 16, kv = K - K % 64;
+    int8_t *hi = malloc((size_t)(2 * kv * AMXQ_M) + 64);
+    for (int64_t m0 = 0; m0 < M; m0 += AMXQ_M) {
+        const int P = M - m0 < AMXQ_M ? (int)(M - m0) : AMXQ_M;
+        const int Pa = P < 16 ? P : 16, Pb = P - Pa;
+        uint8_t *lo = (uint8_t *)hi + kv * Pa;
+        int8_t *hb = hi + 2 * kv * Pa;
+        uint8_t *lb = (uint8_t *)hb + kv * Pb;
+        amxq_pack(xq, Kp, kv, m0, Pa, hi, lo);
+        amxq_pack(xq, Kp, kv, m0 + Pa, Pb, hb, lb);
+#pragma omp parallel num_threads(num_threads)
+        {
+            amxq_configure(Pa, Pb);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t n0 = b * 16;
+                int64_t sums[AMXQ_M][16];
+                for (int p = 0; p < P; p++)
+                    for (int i = 0; i < 16; i++) {
+                        int64_t sum = 0; /* a step of 32 past the last 64 (store_channel adds
+                                            the inputs past the last 32) */
+                        for (int64_t k = kv; k < K - K % 32; k++)
+                            sum += (int64_t)xq[(m0 + p) * Kp + k] * q[(n0 + i) * K + k];
+                        sums[p][i] = sum;
+                    }
+                for (int64_t k0 = 0; k0 < kv; k0 += AMXQ_K_CHUNK)
+                    amxq_tiles(q + n0 * K, K, hi, lo, hb, lb, k0,
+                               k0 + AMXQ_K_CHUNK < kv ? k0 + AMXQ_K_CHUNK : kv, Pa, Pb, sums);
+                for (int p = 0; p < P; p++)
+                    for (int i = 0; i < 16; i++)
+                        store_channel(sums[p][i], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp,
+                                      m0 + p, n0 + i);
+            }
+            _tile_release();
+        }
+        for (int64_t n = blocks * 16; n < N; n++)
+            rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m0 + P, N, K, Kp, n, 1, 0);
+    }
+    free(hi);
+}
+#endif
+
 /* Per-channel scales, or (`grouped`, a constant where inlined) groups of 32. */
 INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                        const int grouped, int num_threads) {
+                        const int grouped, int amx, int num_threads) {
+    (void)amx; /* without AMX's int8 tiles in the build */
     const int64_t Kp = (K + 31) / 32 * 32;
     int16_t *xq = calloc((size_t)(M * Kp), sizeof *xq);
     float *xs = malloc((size_t)M * sizeof *xs);
@@ -485,6 +652,14 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
         for (int64_t k = 0; k < K; k++)
             xq[m * Kp + k] = (int16_t)__builtin_roundf(x[m * K + k] * inv);
     }
+#if HAS_AMX_INT8
+    if (!grouped && amx && M >= AMXQ_FROM && amx_permitted()) {
+        linear_amx_int8(xq, xs, q, scale, bias, y, y_bf16, M, N, K, Kp, num_threads);
+        free(xq);
+        free(xs);
+        return;
+    }
+#endif
     const int64_t full = N / ROWS;
     for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
         const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
@@ -500,9 +675,15 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
 }
 #endif
 
+/* linear_int8's `path`: the build's fastest (0), or forced to the portable path, or for
+ * per-channel scales to the fixed-point path where the build would take AMX (for tests and
+ * bench/kernel_ab.py). */
+enum { PATH_BEST, PATH_PORTABLE, PATH_NO_AMX };
+
 void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
                  const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                 int64_t G, int portable, int num_threads) {
+                 int64_t G, int path, int num_threads) {
+    const int portable = path == PATH_PORTABLE;
     float *widened = NULL;
     const float *xf = x;
     if (x_bf16) {
@@ -513,9 +694,9 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
     }
 #if HAS_FIXED
     if (!portable && G == K)
-        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0, path != PATH_NO_AMX, num_threads);
     else if (!portable && G == 32)
-        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, 0, num_threads);
     else
 #endif
     /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
@@ -539,3 +720,12 @@ int linear_int8_has_avx512(void) { return HAS_AVX512; }
  * this build, and whether it runs on VNNI. */
 int linear_int8_has_fixed(void) { return HAS_FIXED; }
 int linear_int8_has_vnni(void) { return HAS_VNNI; }
+
+/* Whether per-channel int8 weights take AMX's int8 tiles in this build and process. */
+int linear_int8_has_amx(void) {
+#if HAS_AMX_INT8
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}

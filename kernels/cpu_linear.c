@@ -17,15 +17,13 @@
  * float32 or NULL; y: [M, N] float32, or bf16 (rounded to nearest even, as torch rounds).
  */
 #include "cpu_common.h"
+#include "cpu_amx.h"
 
 #include <stdlib.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAS_AMX 1
 #else
 #define HAS_AMX 0
@@ -269,22 +267,6 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
  * (the batch-invariant mode's linear). */
 #define AMX_M 32     /* x rows per pass: two float32 tiles' 16 columns */
 #define AMX_BLOCK 16 /* weight rows per block: one tile */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* Whether this process may use the tile registers: Linux grants them on request (5.16 on). */
-static inline int amx_permitted(void) {
-    static int permitted = -1; /* every caller computes the same: a benign race */
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return permitted;
-}
 
 /* Tile 2: weights (16 rows by 32 bf16); 4 and 7: the first Pa and the next Pb x rows (16 input
  * pairs by their rows); 0 and 5: float32 outputs of the weights by them (tiles 5 and 7 are

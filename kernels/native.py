@@ -4,8 +4,8 @@ The CPU path needs a C compiler (``cc``/``gcc``, or ``$CC``), as torch's inducto
 source is built with ``-O3 -march=native -fno-trapping-math -fopenmp`` (plus its own flags) into
 ``$KVBATCH_CACHE_DIR/kernels/`` (default ``~/.cache/kvbatch``), named by a hash of the source,
 the flags, the compiler and the CPU's feature flags, so that a cache shared between different
-machines never loads code built for another instruction set (the shared header
-``cpu_common.h`` is part of every key). OpenMP resolves to the
+machines never loads code built for another instruction set (the shared headers,
+``cpu_common.h`` and ``cpu_amx.h``, are part of every key). OpenMP resolves to the
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
 runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
 C functions in its profiles (``labelled_for_profiler``).
@@ -20,7 +20,8 @@ C functions in its profiles (``labelled_for_profiler``).
   AVX512-BF16, when x is bf16 too).
 - ``cpu_int8.c``: weight-only int8 linear layers (``linear_int8``): int8 weights with a float32
   scale per group of inputs (a fixed-point path, VNNI's or AVX2's, for scales per channel and
-  per 32; an AVX-512 path and a portable one widening the weights to float32 in registers).
+  per 32, per channel on AMX's int8 tiles where the CPU has them, the same bits; an AVX-512
+  path and a portable one widening the weights to float32 in registers).
 - ``cpu_step.c``: a decode step's decoder layers in one call (``DecodeLayers``), chaining the
   kernels above as the layer-by-layer path does, with none of Python's per-op costs.
 """
@@ -168,7 +169,7 @@ def library(name: str, sources: Path | None = None, march: str = "native") -> ct
     flags = (*CFLAGS, f"-march={march}", *extra)
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_common.h
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # cpu_common.h, cpu_amx.h
     key = hashlib.sha256(
         "\0".join([source.read_text(), *headers, *flags, version, _cpu_flags()]).encode()
     ).hexdigest()[:16]
@@ -328,8 +329,15 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 # 8192x2048, bf16 rows) won at every count to 48: per channel 34.9 against 60.9 ms at 32 rows,
 # groups of 32 44.6 against 50.9.
 LINEAR_INT8_MAX_ROWS = 8
+# linear_int8's `path` (cpu_int8.c): the build's fastest, the portable one, no AMX
+INT8_PATH_BEST, INT8_PATH_PORTABLE, INT8_PATH_NO_AMX = 0, 1, 2
 LINEAR_INT8_MAX_ROWS_FIXED = 64
 LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
+# Per channel on AMX's int8 tiles (a 2-core Xeon with AMX, 2026-12-06, bf16 rows, the 1B's four
+# matrices, ms for all four): 15.2 against dequantize + GEMM's 51.2 at 64 rows, 29.7 against
+# 57.8 at 128, 97.7 against 119.0 at 512, 125.8 against 147.9 at 640, 157.4 against 148.6 at
+# 768 (the VNNI path: 29.6, 63.5, 246.5).
+LINEAR_INT8_MAX_ROWS_AMX = 512
 
 
 @cache
@@ -338,8 +346,12 @@ def linear_int8_max_rows(group: int) -> int:
     ``group`` inputs (0: one per output channel): where the kernel has the fixed-point path
     (VNNI's or AVX2's; asked of the built library, as ``linear_max_rows`` does),
     ``LINEAR_INT8_MAX_ROWS_FIXED`` per channel and ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` for
-    groups of 32 (Q8_0's); else ``LINEAR_INT8_MAX_ROWS``."""
-    if library("cpu_int8").linear_int8_has_fixed():
+    groups of 32 (Q8_0's), ``LINEAR_INT8_MAX_ROWS_AMX`` per channel where it runs on AMX's
+    tiles; else ``LINEAR_INT8_MAX_ROWS``."""
+    lib = library("cpu_int8")
+    if group == 0 and lib.linear_int8_has_amx():
+        return LINEAR_INT8_MAX_ROWS_AMX
+    if lib.linear_int8_has_fixed():
         if group == 0:
             return LINEAR_INT8_MAX_ROWS_FIXED
         if group == 32:
@@ -384,12 +396,15 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None, portable: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, portable: bool = False,
+                     amx: bool = True) -> torch.Tensor:
     """The int8 linear through the C kernel whatever the rows of ``x`` ([M, K], float32 or
     bf16; ``q`` [N, K] int8, ``scale`` [N, K / G] float32), in ``x``'s dtype.
 
     Each output is reduced in one order fixed by K and G alone (batch-invariant).
-    ``portable`` forces the portable path where the build has the AVX-512 one (for tests).
+    ``portable`` forces the portable path where the build has the AVX-512 one, ``amx=False``
+    the fixed-point path where per-channel weights would take AMX's tiles (for tests and
+    ``bench/kernel_ab.py``; the same bits).
     """
     from kernels import int8
 
@@ -404,7 +419,8 @@ def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     library("cpu_int8").linear_int8(
         x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
         None if bf is None else bf.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16),
-        x.shape[0], q.shape[0], q.shape[1], group, int(portable), torch.get_num_threads(),
+        x.shape[0], q.shape[0], q.shape[1], group, INT8_PATH_PORTABLE if portable else (
+            INT8_PATH_BEST if amx else INT8_PATH_NO_AMX), torch.get_num_threads(),
     )
     return out
 

@@ -137,6 +137,39 @@ def test_the_build_has_the_avx512_paths_where_the_cpu_does() -> None:
     vnni = "avx512_vnni" in flags and "avx512bw" in flags
     assert bool(lib.linear_int8_has_vnni()) == vnni
     assert bool(lib.linear_int8_has_fixed()) == (vnni or {"avx2", "fma"} <= set(flags))
+    assert bool(lib.linear_int8_has_amx()) == (vnni and {"amx_tile", "amx_int8"} <= set(flags))
+
+
+def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor) -> torch.Tensor:
+    """cpu_int8.c's per-channel fixed point, step by step: each x row scaled to X16_MAX and
+    rounded half away from zero (roundf), the exact integer sum of x * q, rounded to float32
+    once, times x's scale, then the channel's, plus the bias, in x's dtype."""
+    xf = x.float()
+    amax = xf.abs().amax(1, keepdim=True)
+    xs = torch.where(amax > 0, amax / X16_MAX, torch.ones_like(amax))
+    v = xf * (1.0 / xs)
+    xq = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int64)
+    exact = xq @ q.to(torch.int64).T
+    return ((exact.to(torch.float32) * xs) * scale.T + bias).to(x.dtype)
+
+
+# (N, K): 16 and 64 one AMX block and step; 100 and 1539 inputs past the last 64 (36 of them a
+# step of 32 and 4 more, and 3); 130 and 17 rows past the last block of 16; 8227 past the VNNI
+# lanes' 8192; 70000 past AMX's 65536.
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (33, 100), (130, 1539), (17, 8227), (16, 70000)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])  # 17: two x tiles on AMX; 40: a second pass
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("amx", [True, False], ids=["best", "no-amx"])
+def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
+        n: int, k: int, rows: int, dtype: torch.dtype, amx: bool) -> None:
+    # Bit for bit, so AVX2's, VNNI's and AMX's paths agree, whichever a row count takes.
+    if not native.library("cpu_int8").linear_int8_has_fixed():
+        pytest.skip("no fixed-point path in this build")
+    x, q, scale, bias = _case(rows, n, k, None)
+    x = x.to(dtype)
+    assert torch.equal(native.linear_int8_rows(x, q, scale, bias, amx=amx),
+                       _fixed_point_product(x, q, scale, bias))
 
 
 @pytest.mark.parametrize("group", [None, 32], ids=["channel", "g32"])
@@ -152,9 +185,9 @@ def test_fixed_point_path_is_closer_than_the_weights_rounding(group: int | None)
     assert got_error <= ref_error * 1.01
 
 
-# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 32 in groups of 32):
-# dequantize + GEMM
-@pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65])
+# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 512 on AMX, 32 in
+# groups of 32): dequantize + GEMM
+@pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
@@ -175,9 +208,12 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
 
 def test_the_fixed_point_path_takes_the_kernel_further() -> None:
     # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM to 64 rows per channel
-    # and 32 in groups of 32 (kernels/native.py); other groups and the other paths to 8.
-    fixed = bool(native.library("cpu_int8").linear_int8_has_fixed())
-    assert native.linear_int8_max_rows(0) == (64 if fixed else 8)
+    # (512 on AMX's tiles) and 32 in groups of 32 (kernels/native.py); other groups and the
+    # other paths to 8.
+    lib = native.library("cpu_int8")
+    fixed = bool(lib.linear_int8_has_fixed())
+    assert native.linear_int8_max_rows(0) == (
+        512 if lib.linear_int8_has_amx() else 64 if fixed else 8)
     assert native.linear_int8_max_rows(32) == (32 if fixed else 8)
     assert native.linear_int8_max_rows(16) == 8
 
