@@ -592,7 +592,7 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
                             const float *scale, const float *bias, void *y, int y_bf16,
                             int64_t M, int64_t N, int64_t K, int64_t Kp, int num_threads) {
     const int64_t blocks = N / 16, kv = K - K % 64;
-    int8_t *hi = malloc((size_t)(2 * kv * AMXQ_M) + 64);
+    int8_t *hi = malloc((size_t)(2 * kv * (M < AMXQ_M ? M : AMXQ_M)) + 64);
     for (int64_t m0 = 0; m0 < M; m0 += AMXQ_M) {
         const int P = M - m0 < AMXQ_M ? (int)(M - m0) : AMXQ_M;
         const int Pa = P < 16 ? P : 16, Pb = P - Pa;
@@ -676,8 +676,7 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
 #endif
 
 /* linear_int8's `path`: the build's fastest (0), or forced to the portable path, or for
- * per-channel scales to the fixed-point path where the build would take AMX (for tests and
- * bench/kernel_ab.py). */
+ * per-channel scales to the fixed-point path where the build would take AMX (for tests). */
 enum { PATH_BEST, PATH_PORTABLE, PATH_NO_AMX };
 
 void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,

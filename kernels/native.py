@@ -403,8 +403,8 @@ def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
     Each output is reduced in one order fixed by K and G alone (batch-invariant).
     ``portable`` forces the portable path where the build has the AVX-512 one, ``amx=False``
-    the fixed-point path where per-channel weights would take AMX's tiles (for tests and
-    ``bench/kernel_ab.py``; the same bits).
+    the fixed-point path where per-channel weights would take AMX's tiles (for tests; the
+    same bits).
     """
     from kernels import int8
 

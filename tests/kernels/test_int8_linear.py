@@ -137,7 +137,10 @@ def test_the_build_has_the_avx512_paths_where_the_cpu_does() -> None:
     vnni = "avx512_vnni" in flags and "avx512bw" in flags
     assert bool(lib.linear_int8_has_vnni()) == vnni
     assert bool(lib.linear_int8_has_fixed()) == (vnni or {"avx2", "fma"} <= set(flags))
-    assert bool(lib.linear_int8_has_amx()) == (vnni and {"amx_tile", "amx_int8"} <= set(flags))
+    # (where the OS grants the tiles, as cpu_linear.c's AMX path asks)
+    granted = bool(native.library("cpu_linear").linear_has_amx()) or "amx_bf16" not in flags
+    assert bool(lib.linear_int8_has_amx()) == (
+        vnni and {"amx_tile", "amx_int8"} <= set(flags) and granted)
 
 
 def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -148,8 +151,9 @@ def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     xf = x.float()
     amax = xf.abs().amax(1, keepdim=True)
     xs = torch.where(amax > 0, amax / X16_MAX, torch.ones_like(amax))
-    v = xf * (1.0 / xs)
-    xq = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int64)
+    v = (xf * (1.0 / xs)).abs()
+    whole = v.floor()  # roundf: half away from zero (floor(v + 0.5) rounds 0.49999997 up)
+    xq = (torch.sign(xf) * (whole + (v - whole >= 0.5))).to(torch.int64)
     exact = xq @ q.to(torch.int64).T
     return ((exact.to(torch.float32) * xs) * scale.T + bias).to(x.dtype)
 
@@ -170,6 +174,37 @@ def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
     x = x.to(dtype)
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias, amx=amx),
                        _fixed_point_product(x, q, scale, bias))
+
+
+@pytest.mark.parametrize("weight", [127, -128])
+@pytest.mark.parametrize("rows", [3, 40])
+@pytest.mark.parametrize("amx", [True, False], ids=["best", "no-amx"])
+def test_per_channel_sums_at_their_largest_stay_exact(weight: int, rows: int, amx: bool) -> None:
+    # Every x at X16_MAX (AMX's hi byte 63, lo 255) by every weight at an end of int8, over
+    # 70000 inputs: the VNNI and AVX2 lanes at their fullest over a flush, AMX's lo sums past
+    # 2^31 without its store every 65536 inputs, and 256 * hi past 2^31 unless taken as int64.
+    if not native.library("cpu_int8").linear_int8_has_fixed():
+        pytest.skip("no fixed-point path in this build")
+    k = 70000
+    x, q = torch.ones(rows, k), torch.full((32, k), weight, dtype=torch.int8)
+    x[1] = -1.0
+    scale, bias = torch.full((32, 1), 1e-3), torch.zeros(32)
+    got = native.linear_int8_rows(x, q, scale, bias, amx=amx)
+    assert torch.equal(got, _fixed_point_product(x, q, scale, bias))
+    assert got[0, 0] == pytest.approx(k * weight * 1e-3, rel=1e-6)
+
+
+@pytest.mark.skipif("avx2" not in native._cpu_flags().split(), reason="needs AVX2")
+def test_an_avx2_build_gives_the_same_bits_per_channel() -> None:
+    # The AVX2 build's fixed point (8 lanes of vpmaddwd) against this CPU's own (VNNI's 16
+    # lanes, AMX's tiles): the int64 sums make them the same bits.
+    haswell = native.library("cpu_int8", march="haswell")
+    x, q, scale, bias = _case(40, 130, 1539, None)
+    x = x.to(torch.bfloat16)
+    out = torch.empty(40, 130, dtype=torch.bfloat16)
+    haswell.linear_int8(x.data_ptr(), 1, q.data_ptr(), scale.data_ptr(), bias.data_ptr(),
+                        out.data_ptr(), 1, 40, 130, 1539, 1539, native.INT8_PATH_BEST, 2)
+    assert torch.equal(out, native.linear_int8_rows(x, q, scale, bias))
 
 
 @pytest.mark.parametrize("group", [None, 32], ids=["channel", "g32"])
