@@ -263,12 +263,16 @@ INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return MM(fmadd_ps)(a, b, c); }
 
 /* Output (m, n) of per-channel weights: the exact sum of x * q (the last K % 32 inputs added
  * here), rounded to float once, times x's scale and the channel's. */
+INLINE float channel_value(int64_t sum, float x_scale, float channel_scale) {
+    return (float)sum * x_scale * channel_scale;
+}
+
 INLINE void store_channel(int64_t sum, const int16_t *xq, const float *xs, const int8_t *q,
                           const float *scale, const float *bias, void *y, int y_bf16, int64_t N,
                           int64_t K, int64_t Kp, int64_t m, int64_t n) {
     for (int64_t k = K - K % 32; k < K; k++)
         sum += (int64_t)xq[m * Kp + k] * q[n * K + k];
-    store_out(y, y_bf16, m * N + n, (float)sum * xs[m] * scale[n], bias, n);
+    store_out(y, y_bf16, m * N + n, channel_value(sum, xs[m], scale[n]), bias, n);
 }
 
 /* Output (m, n) of groups of 32 (whole groups: no tail): its float lanes, the groups' scales in
@@ -607,22 +611,29 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t n0 = b * 16;
-                int64_t sums[AMXQ_M][16];
-                for (int p = 0; p < P; p++)
-                    for (int i = 0; i < 16; i++) {
-                        int64_t sum = 0; /* a step of 32 past the last 64 (store_channel adds
-                                            the inputs past the last 32) */
-                        for (int64_t k = kv; k < K - K % 32; k++)
-                            sum += (int64_t)xq[(m0 + p) * Kp + k] * q[(n0 + i) * K + k];
-                        sums[p][i] = sum;
-                    }
+                int64_t sums[AMXQ_M][16] = {{0}};
+                if (kv < K - K % 32) /* a step of 32 past the last 64 (store_channel adds the
+                                        inputs past the last 32) */
+                    for (int p = 0; p < P; p++)
+                        for (int i = 0; i < 16; i++)
+                            for (int64_t k = kv; k < K - K % 32; k++)
+                                sums[p][i] += (int64_t)xq[(m0 + p) * Kp + k] * q[(n0 + i) * K + k];
                 for (int64_t k0 = 0; k0 < kv; k0 += AMXQ_K_CHUNK)
                     amxq_tiles(q + n0 * K, K, hi, lo, hb, lb, k0,
                                k0 + AMXQ_K_CHUNK < kv ? k0 + AMXQ_K_CHUNK : kv, Pa, Pb, sums);
-                for (int p = 0; p < P; p++)
-                    for (int i = 0; i < 16; i++)
-                        store_channel(sums[p][i], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp,
-                                      m0 + p, n0 + i);
+                if (K % 32)
+                    for (int p = 0; p < P; p++)
+                        for (int i = 0; i < 16; i++)
+                            store_channel(sums[p][i], xq, xs, q, scale, bias, y, y_bf16, N, K,
+                                          Kp, m0 + p, n0 + i);
+                else /* an x row's 16 outputs as one run (a loop the compiler vectorises) */
+                    for (int p = 0; p < P; p++) {
+                        float s[16];
+                        for (int i = 0; i < 16; i++)
+                            s[i] = channel_value(sums[p][i], xs[m0 + p], scale[n0 + i]);
+                        for (int i = 0; i < 16; i++)
+                            store_out(y, y_bf16, (m0 + p) * N + n0 + i, s[i], bias, n0 + i);
+                    }
             }
             _tile_release();
         }
