@@ -523,17 +523,7 @@ INLINE void rows_block_fixed_of(const int16_t *xq, const float *xs, const int8_t
  * the first Pa rows' hi and lo sums, 6 and 7 the next Pb's (3, 6 and 7 are left unconfigured
  * where Pb is 0). */
 static inline void amxq_configure(int Pa, int Pb) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    c.rows[0] = 16;
-    c.colsb[0] = 64;
-    for (int t = 1; t < 8; t++)
-        if (t != 3 && t < 6)
-            c.rows[t] = 16, c.colsb[t] = (uint16_t)(Pa * 4);
-        else if (Pb)
-            c.rows[t] = 16, c.colsb[t] = (uint16_t)(Pb * 4);
-    _tile_loadconfig(&c);
+    amx_tile_config((const int[8]){64, Pa * 4, Pa * 4, Pb * 4, Pa * 4, Pa * 4, Pb * 4, Pb * 4});
 }
 
 /* x rows m0 .. m0 + P (int16, Kp apart) as the hi and lo tiles of each 64 inputs to kv:

@@ -272,18 +272,7 @@ INLINE void linear_rows(const float *x, const float *xa, const uint16_t *xh, con
  * pairs by their rows); 0 and 5: float32 outputs of the weights by them (tiles 5 and 7 are
  * left unconfigured where Pb is 0). */
 static inline void amx_configure(int Pa, int Pb) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    c.rows[2] = 16;
-    c.colsb[2] = 64;
-    c.rows[0] = c.rows[4] = 16;
-    c.colsb[0] = c.colsb[4] = Pa * 4;
-    if (Pb) {
-        c.rows[5] = c.rows[7] = 16;
-        c.colsb[5] = c.colsb[7] = Pb * 4;
-    }
-    _tile_loadconfig(&c);
+    amx_tile_config((const int[8]){Pa * 4, 0, 64, 0, Pa * 4, Pb * 4, 0, Pb * 4});
 }
 
 /* x rows m0 .. m0 + P (bf16) as the x tiles of each 32 inputs: [K / 32][16 pairs][P][2]. */
