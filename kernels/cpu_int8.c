@@ -261,12 +261,13 @@ INLINE vfl fl_fmadd(vfl a, vfl b, vfl c) { return MM(fmadd_ps)(a, b, c); }
 #define X16_MAX 16383
 #define K_CHUNK 8192
 
-/* Output (m, n) of per-channel weights: the exact sum of x * q (the last K % 32 inputs added
- * here), rounded to float once, times x's scale and the channel's. */
+/* An output of per-channel weights: the exact sum of x * q rounded to float once, times x's
+ * scale and the channel's. */
 INLINE float channel_value(int64_t sum, float x_scale, float channel_scale) {
     return (float)sum * x_scale * channel_scale;
 }
 
+/* Output (m, n) of per-channel weights from its sum (the last K % 32 inputs added here). */
 INLINE void store_channel(int64_t sum, const int16_t *xq, const float *xs, const int8_t *q,
                           const float *scale, const float *bias, void *y, int y_bf16, int64_t N,
                           int64_t K, int64_t Kp, int64_t m, int64_t n) {
@@ -412,27 +413,23 @@ INLINE void row_fixed(const int16_t *xq, const float *xs, const int8_t *q, const
             continue;
         }
         int64_t sum = 0;
-        {
-            for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
-                const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
-                vacc acc[FIXED_ACC];
+        for (int64_t c0 = 0; c0 < kv; c0 += K_CHUNK) {
+            const int64_t c1 = c0 + K_CHUNK < kv ? c0 + K_CHUNK : kv;
+            vacc acc[FIXED_ACC];
+            for (int a = 0; a < FIXED_ACC; a++)
+                acc[a] = acc_zero();
+            int64_t k = c0;
+            for (; k + FIXED_ACC * 32 <= c1; k += FIXED_ACC * 32) {
+                prefetch_stream(qr + k);
+                prefetch_stream(qr + k + 64);
                 for (int a = 0; a < FIXED_ACC; a++)
-                    acc[a] = acc_zero();
-                int64_t k = c0;
-                for (; k + FIXED_ACC * 32 <= c1; k += FIXED_ACC * 32) {
-                    prefetch_stream(qr + k);
-                    prefetch_stream(qr + k + 64);
-                    for (int a = 0; a < FIXED_ACC; a++)
-                        acc[a] = dot32(acc[a], x32_load(xr + k + 32 * a),
-                                                     w32_load(qr + k + 32 * a));
-                }
-                for (; k < c1; k += 32)
-                    acc[0] = dot32(acc[0], x32_load(xr + k),
-                                                 w32_load(qr + k));
-                for (int a = 1; a < FIXED_ACC; a++)
-                    acc[0] = acc_add(acc[0], acc[a]);
-                sum += acc_sum64(acc[0]);
+                    acc[a] = dot32(acc[a], x32_load(xr + k + 32 * a), w32_load(qr + k + 32 * a));
             }
+            for (; k < c1; k += 32)
+                acc[0] = dot32(acc[0], x32_load(xr + k), w32_load(qr + k));
+            for (int a = 1; a < FIXED_ACC; a++)
+                acc[0] = acc_add(acc[0], acc[a]);
+            sum += acc_sum64(acc[0]);
         }
         store_channel(sum, xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0 + r);
     }
@@ -638,7 +635,7 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
 INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                         const int grouped, int amx, int num_threads) {
-    (void)amx; /* without AMX's int8 tiles in the build */
+    (void)amx; /* takes_amx: 0 without AMX's int8 tiles in the build */
     const int64_t Kp = (K + 31) / 32 * 32;
     int16_t *xq = calloc((size_t)(M * Kp), sizeof *xq);
     float *xs = malloc((size_t)M * sizeof *xs);
@@ -654,7 +651,7 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
             xq[m * Kp + k] = (int16_t)__builtin_roundf(x[m * K + k] * inv);
     }
 #if HAS_AMX_INT8
-    if (!grouped && amx && M >= AMXQ_FROM && amx_permitted()) {
+    if (amx) {
         linear_amx_int8(xq, xs, q, scale, bias, y, y_bf16, M, N, K, Kp, num_threads);
         free(xq);
         free(xs);
@@ -680,6 +677,17 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
  * per-channel scales to the fixed-point path where the build would take AMX (for tests). */
 enum { PATH_BEST, PATH_PORTABLE, PATH_NO_AMX };
 
+/* Whether linear_int8 takes AMX's int8 tiles for M rows by weights with a scale per G of their
+ * K inputs, on `path` (the same bits as the fixed-point path: the tests ask this). */
+int linear_int8_takes_amx(int64_t M, int64_t K, int64_t G, int path) {
+#if HAS_AMX_INT8
+    return path == PATH_BEST && G == K && M >= AMXQ_FROM && amx_permitted();
+#else
+    (void)M, (void)K, (void)G, (void)path;
+    return 0;
+#endif
+}
+
 void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
                  const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                  int64_t G, int path, int num_threads) {
@@ -694,7 +702,8 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
     }
 #if HAS_FIXED
     if (!portable && G == K)
-        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0, path != PATH_NO_AMX, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0,
+                     linear_int8_takes_amx(M, K, G, path), num_threads);
     else if (!portable && G == 32)
         linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, 0, num_threads);
     else

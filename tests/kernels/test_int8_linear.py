@@ -5,6 +5,8 @@ vector width, N not a multiple of the row tile, per-channel and per-32 scales.""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -174,6 +176,20 @@ def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
     x = x.to(dtype)
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias, amx=amx),
                        _fixed_point_product(x, q, scale, bias))
+
+
+def test_per_channel_weights_take_amx_from_8_rows_where_the_build_has_it() -> None:
+    # The same bits either way (above), so only this shows which path a call takes.
+    lib = native.library("cpu_int8")
+    amx = bool(lib.linear_int8_has_amx())
+    def takes(m: int, k: int, g: int, path: int) -> int:
+        return lib.linear_int8_takes_amx(ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(g),
+                                         ctypes.c_int(path))  # restype: int, ctypes' default
+    assert [bool(takes(m, 2048, 2048, native.INT8_PATH_BEST)) for m in (1, 7, 8, 64, 600)] == (
+        [False, False, amx, amx, amx])
+    assert not takes(64, 2048, 32, native.INT8_PATH_BEST)  # groups of 32 stay on VNNI
+    assert not takes(64, 2048, 2048, native.INT8_PATH_NO_AMX)
+    assert not takes(64, 2048, 2048, native.INT8_PATH_PORTABLE)
 
 
 @pytest.mark.parametrize("weight", [127, -128])
