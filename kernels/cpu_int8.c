@@ -18,6 +18,8 @@
  *   int16, 32 weights at a time sign-extended to int16, multiplied in pairs into int32 lanes
  *   (see linear_fixed below: with VNNI 4x fewer instructions a weight than the float path per
  *   channel, 2x for groups of 32; on a 2-core AVX2 EPYC a lone row went from 1.6 to 10.4 GB/s).
+ *   Per channel from a dozen rows it runs as a GEMM where the build has AVX2 without VNNI
+ *   (linear_packed) and on AMX's int8 tiles where it has them (linear_amx_int8).
  * - AVX-512 (other groups): 16 int8 weights a load, sign-extended (vpmovsxbd) and
  *   converted (vcvtdq2ps) to float32, one FMA per x row.
  * - portable: GCC vector extensions of VL lanes, whatever the target (SSE2 up; on AVX2 the
@@ -56,6 +58,18 @@
 #define HAS_FIXED 1 /* the fixed-point path: VNNI's, or AVX2's (vpmaddwd) */
 #else
 #define HAS_FIXED 0
+#endif
+/* x rows a call widens and quantizes at once (more go a chunk at a time), and from how many
+ * rows it does so on every thread. */
+#define CALL_ROWS 1024
+#define PARALLEL_ROWS 16
+
+/* The kernel a per-channel call runs (linear_int8_kernel). */
+enum { KERNEL_TILES, KERNEL_AMX, KERNEL_PACKED };
+#if HAS_FIXED && !HAS_VNNI
+#define HAS_PACKED 1 /* per-channel int8 as an AVX2 GEMM from PACKED_FROM rows (linear_packed) */
+#else
+#define HAS_PACKED 0
 #endif
 
 #define ROWS 4       /* weight rows per tile */
@@ -274,6 +288,23 @@ INLINE void store_channel(int64_t sum, const int16_t *xq, const float *xs, const
     for (int64_t k = K - K % 32; k < K; k++)
         sum += (int64_t)xq[m * Kp + k] * q[n * K + k];
     store_out(y, y_bf16, m * N + n, channel_value(sum, xs[m], scale[n]), bias, n);
+}
+
+/* Outputs n0 .. n0 + 16 of x row m from their sums: as one run (a loop the compiler vectorises)
+ * where K is whole steps of 32, else each through store_channel (which adds the tail). */
+INLINE void store_channel16(const int64_t sums[16], const int16_t *xq, const float *xs,
+                            const int8_t *q, const float *scale, const float *bias, void *y,
+                            int y_bf16, int64_t N, int64_t K, int64_t Kp, int64_t m, int64_t n0) {
+    if (K % 32) {
+        for (int i = 0; i < 16; i++)
+            store_channel(sums[i], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m, n0 + i);
+        return;
+    }
+    float s[16];
+    for (int i = 0; i < 16; i++)
+        s[i] = channel_value(sums[i], xs[m], scale[n0 + i]);
+    for (int i = 0; i < 16; i++)
+        store_out(y, y_bf16, m * N + n0 + i, s[i], bias, n0 + i);
 }
 
 /* Output (m, n) of groups of 32 (whole groups: no tail): its float lanes, the groups' scales in
@@ -608,19 +639,9 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
                 for (int64_t k0 = 0; k0 < kv; k0 += AMXQ_K_CHUNK)
                     amxq_tiles(q + n0 * K, K, hi, lo, hb, lb, k0,
                                k0 + AMXQ_K_CHUNK < kv ? k0 + AMXQ_K_CHUNK : kv, Pa, Pb, sums);
-                if (K % 32)
-                    for (int p = 0; p < P; p++)
-                        for (int i = 0; i < 16; i++)
-                            store_channel(sums[p][i], xq, xs, q, scale, bias, y, y_bf16, N, K,
-                                          Kp, m0 + p, n0 + i);
-                else /* an x row's 16 outputs as one run (a loop the compiler vectorises) */
-                    for (int p = 0; p < P; p++) {
-                        float s[16];
-                        for (int i = 0; i < 16; i++)
-                            s[i] = channel_value(sums[p][i], xs[m0 + p], scale[n0 + i]);
-                        for (int i = 0; i < 16; i++)
-                            store_out(y, y_bf16, (m0 + p) * N + n0 + i, s[i], bias, n0 + i);
-                    }
+                for (int p = 0; p < P; p++)
+                    store_channel16(sums[p], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m0 + p,
+                                    n0);
             }
             _tile_release();
         }
@@ -631,14 +652,150 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
 }
 #endif
 
+#if HAS_PACKED
+/* Per-channel int8 weights by many x rows on AVX2, as a GEMM: a thread packs a block of 16
+ * weight rows, all of K, sign-extended to int16 and interleaved in pairs of inputs ([K / 2][16
+ * rows][2]: 64 bytes a pair, two vectors of 8 outputs), then takes every PK_M x rows through
+ * it: each x row's pair of inputs broadcast to the 8 lanes (vpbroadcastd), vpmaddwd by the
+ * two vectors, added into 2 * PK_M int32 accumulators, one output a lane. The tiles above keep
+ * a dot product of 16 inputs a lane (a horizontal sum an output) and on AVX2 their 16
+ * accumulators and 8 weight vectors do not fit 16 registers. A lane holds at most PK_K_CHUNK
+ * products (1024 * X16_MAX * 128 < 2^31) before it is added into the output's int64 sum, so
+ * the sums are exact and the bits are the tiles' (store_channel). */
+#define PK_M 5            /* x rows a tile: 10 accumulators, 2 weight vectors, 2 products */
+#define PK_K_CHUNK 1024   /* inputs a lane's int32 sum may hold */
+#define PACKED_FROM 12 /* below it the tiles (one pass over the weights, no packing) win */
+
+/* 8 vectors of 8 int32 (rows) transposed in place: r[j] lane i becomes r[i] lane j. */
+INLINE void transpose8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* rows 0-3, then 4-7 */
+        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* 16 weight rows from q (K apart), inputs 0 .. kv (whole steps of 16), packed into pk as
+ * [kv / 2][16][2] int16: row r's 16 inputs sign-extended are 8 int32 pairs, and 8 rows' of
+ * them transposed are 8 pairs' 8 rows. */
+static void pack_pairs(const int8_t *q, int64_t K, int64_t kv, int16_t *pk) {
+    for (int64_t k = 0; k < kv; k += 16)
+        for (int h = 0; h < 2; h++) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = _mm256_cvtepi8_epi16(
+                    _mm_loadu_si128((const __m128i *)(q + (8 * h + i) * K + k)));
+            transpose8_epi32(r);
+            for (int j = 0; j < 8; j++)
+                _mm256_storeu_si256((__m256i *)(pk + (k + 2 * j) * 16 + 16 * h), r[j]);
+        }
+}
+
+typedef int32_t pair16 __attribute__((may_alias, aligned(2))); /* two int16 inputs as one */
+
+/* An x row's pair of inputs at x broadcast, by the two weight vectors, added into its two
+ * accumulators. In asm: from intrinsics GCC kept each sum in a fresh register and copied it back
+ * to the accumulator's (vmovdqa), 20 more instructions a step for 4 rows, and with 6 rows it
+ * spilled 8 accumulators to the stack. */
+INLINE void packed_step(__m256i *lo, __m256i *hi, const pair16 *x, __m256i w0, __m256i w1) {
+    __m256i t0, t1;
+    __asm__("vpbroadcastd %[x], %[t1]\n\t"
+            "vpmaddwd %[w0], %[t1], %[t0]\n\t"
+            "vpmaddwd %[w1], %[t1], %[t1]\n\t"
+            "vpaddd %[t0], %[a0], %[a0]\n\t"
+            "vpaddd %[t1], %[a1], %[a1]"
+            : [a0] "+x"(*lo), [a1] "+x"(*hi), [t0] "=&x"(t0), [t1] "=&x"(t1)
+            : [x] "m"(*x), [w0] "x"(w0), [w1] "x"(w1));
+}
+
+/* The exact sums of P (a constant where inlined) x rows from m0 by a packed block, inputs
+ * 0 .. kv, into sums[p][16]. */
+INLINE void packed_tile(const int16_t *xq, int64_t Kp, int64_t m0, const int16_t *pk,
+                        int64_t kv, int64_t sums[PK_M][16], const int P) {
+    const int16_t *xr[PK_M];
+    for (int p = 0; p < P; p++)
+        xr[p] = xq + (m0 + p) * Kp;
+    for (int64_t c0 = 0; c0 < kv; c0 += PK_K_CHUNK) {
+        const int64_t c1 = c0 + PK_K_CHUNK < kv ? c0 + PK_K_CHUNK : kv;
+        __m256i lo[PK_M], hi[PK_M]; /* outputs 0-7 and 8-15 */
+        for (int p = 0; p < P; p++)
+            lo[p] = hi[p] = _mm256_setzero_si256();
+        for (int64_t k = c0; k < c1; k += 2) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(pk + k * 16));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(pk + k * 16 + 16));
+            for (int p = 0; p < P; p++)
+                packed_step(&lo[p], &hi[p], (const pair16 *)(xr[p] + k), w0, w1);
+        }
+        for (int p = 0; p < P; p++)
+            for (int h = 0; h < 2; h++) {
+                int32_t lanes[8];
+                _mm256_storeu_si256((__m256i *)lanes, h ? hi[p] : lo[p]);
+                for (int i = 0; i < 8; i++)
+                    sums[p][8 * h + i] += lanes[i];
+            }
+    }
+}
+
+/* x rows m0 .. m0 + P (P <= PK_M) by a packed block of weight rows n0 .. n0 + 16, stored. */
+INLINE void packed_rows(const int16_t *xq, const float *xs, const int8_t *q, const float *scale,
+                        const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
+                        int64_t Kp, int64_t kv, const int16_t *pk, int64_t m0, int64_t n0,
+                        const int P) {
+    int64_t sums[PK_M][16] = {{0}};
+    packed_tile(xq, Kp, m0, pk, kv, sums, P);
+    for (int p = 0; p < P; p++)
+        store_channel16(sums[p], xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, m0 + p, n0);
+}
+
+/* y for M x rows by the per-channel weights' whole blocks of 16 rows (the inputs past the last
+ * 32 added by store_channel, the rows past the last block by the tiles). */
+static void linear_packed(const int16_t *xq, const float *xs, const int8_t *q,
+                          const float *scale, const float *bias, void *y, int y_bf16,
+                          int64_t M, int64_t N, int64_t K, int64_t Kp, int num_threads) {
+    const int64_t blocks = N / 16, kv = K - K % 32;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int16_t *pk = malloc((size_t)(16 * kv) * sizeof *pk + 64);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * 16;
+            pack_pairs(q + n0 * K, K, kv, pk);
+            int64_t m0 = 0;
+            for (; m0 + PK_M <= M; m0 += PK_M)
+                packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, PK_M);
+            switch (M - m0) {
+            case 4: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 4); break;
+            case 3: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 3); break;
+            case 2: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 2); break;
+            case 1: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 1); break;
+            default: break;
+            }
+        }
+        free(pk);
+    }
+    for (int64_t n = blocks * 16; n < N; n++)
+        rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, 0, M, N, K, Kp, n, 1, 0);
+}
+#endif
+
 /* Per-channel scales, or (`grouped`, a constant where inlined) groups of 32. */
 INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, const float *bias,
                         void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
-                        const int grouped, int amx, int num_threads) {
-    (void)amx; /* takes_amx: 0 without AMX's int8 tiles in the build */
+                        const int grouped, int kernel, int num_threads) {
     const int64_t Kp = (K + 31) / 32 * 32;
     int16_t *xq = calloc((size_t)(M * Kp), sizeof *xq);
     float *xs = malloc((size_t)M * sizeof *xs);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= PARALLEL_ROWS)
     for (int64_t m = 0; m < M; m++) {
         float amax = 0.0f;
         for (int64_t k = 0; k < K; k++) {
@@ -651,51 +808,69 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
             xq[m * Kp + k] = (int16_t)__builtin_roundf(x[m * K + k] * inv);
     }
 #if HAS_AMX_INT8
-    if (amx) {
+    if (kernel == KERNEL_AMX)
         linear_amx_int8(xq, xs, q, scale, bias, y, y_bf16, M, N, K, Kp, num_threads);
-        free(xq);
-        free(xs);
-        return;
-    }
+    else
 #endif
-    const int64_t full = N / ROWS;
-    for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
-        const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M;
+#if HAS_PACKED
+    if (kernel == KERNEL_PACKED)
+        linear_packed(xq, xs, q, scale, bias, y, y_bf16, M, N, K, Kp, num_threads);
+    else
+#endif
+        for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+            const int64_t m1 = m0 + CHUNK_ROWS < M ? m0 + CHUNK_ROWS : M, full = N / ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t b = 0; b < full; b++)
-            rows_block_fixed_of(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, b * ROWS,
-                                grouped);
-        for (int64_t n = full * ROWS; n < N; n++)
-            rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1, grouped);
-    }
+            for (int64_t b = 0; b < full; b++)
+                rows_block_fixed_of(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp,
+                                    b * ROWS, grouped);
+            for (int64_t n = full * ROWS; n < N; n++)
+                rows_block_fixed(xq, xs, q, scale, bias, y, y_bf16, m0, m1, N, K, Kp, n, 1,
+                                 grouped);
+        }
     free(xq);
     free(xs);
 }
 #endif
 
 /* linear_int8's `path`: the build's fastest (0), or forced to the portable path, or for
- * per-channel scales to the fixed-point path where the build would take AMX (for tests). */
-enum { PATH_BEST, PATH_PORTABLE, PATH_NO_AMX };
+ * per-channel scales to the fixed-point tiles where the build would take AMX's tiles or the
+ * packed GEMM (for tests). */
+enum { PATH_BEST, PATH_PORTABLE, PATH_TILES };
 
-/* Whether linear_int8 takes AMX's int8 tiles for M rows by weights with a scale per G of their
- * K inputs, on `path` (the same bits as the fixed-point path: the tests ask this). */
-int linear_int8_takes_amx(int64_t M, int64_t K, int64_t G, int path) {
+/* Which kernel linear_int8 runs for M rows by weights with a scale per G of their K inputs, on
+ * `path`: AMX's int8 tiles, the packed GEMM or the path's own tiles (the same bits per channel:
+ * the tests ask this). */
+int linear_int8_kernel(int64_t M, int64_t K, int64_t G, int path) {
+    if (path != PATH_BEST || G != K)
+        return KERNEL_TILES;
 #if HAS_AMX_INT8
-    return path == PATH_BEST && G == K && M >= AMXQ_FROM && amx_permitted();
-#else
-    (void)M, (void)K, (void)G, (void)path;
-    return 0;
+    if (M >= AMXQ_FROM && amx_permitted())
+        return KERNEL_AMX;
 #endif
+#if HAS_PACKED
+    if (M >= PACKED_FROM)
+        return KERNEL_PACKED;
+#endif
+    (void)M;
+    return KERNEL_TILES;
 }
 
 void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
                  const float *bias, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                  int64_t G, int path, int num_threads) {
+    if (M > CALL_ROWS) { /* each row's result is its own: the same bits a chunk at a time */
+        for (int64_t m0 = 0; m0 < M; m0 += CALL_ROWS)
+            linear_int8((const char *)x + m0 * K * (x_bf16 ? 2 : 4), x_bf16, q, scale, bias,
+                        (char *)y + m0 * N * (y_bf16 ? 2 : 4), y_bf16,
+                        M - m0 < CALL_ROWS ? M - m0 : CALL_ROWS, N, K, G, path, num_threads);
+        return;
+    }
     const int portable = path == PATH_PORTABLE;
     float *widened = NULL;
     const float *xf = x;
     if (x_bf16) {
         widened = malloc((size_t)(M * K) * sizeof *widened);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M >= PARALLEL_ROWS)
         for (int64_t i = 0; i < M * K; i++)
             widened[i] = bf16_to_f32(((const uint16_t *)x)[i]);
         xf = widened;
@@ -703,9 +878,9 @@ void linear_int8(const void *x, int x_bf16, const int8_t *q, const float *scale,
 #if HAS_FIXED
     if (!portable && G == K)
         linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 0,
-                     linear_int8_takes_amx(M, K, G, path), num_threads);
+                     linear_int8_kernel(M, K, G, path), num_threads);
     else if (!portable && G == 32)
-        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, 0, num_threads);
+        linear_fixed(xf, q, scale, bias, y, y_bf16, M, N, K, 1, KERNEL_TILES, num_threads);
     else
 #endif
     /* Q8_0's groups of 32 with G a constant: each group's loop unrolled (as a variable, the
@@ -729,6 +904,9 @@ int linear_int8_has_avx512(void) { return HAS_AVX512; }
  * this build, and whether it runs on VNNI. */
 int linear_int8_has_fixed(void) { return HAS_FIXED; }
 int linear_int8_has_vnni(void) { return HAS_VNNI; }
+
+/* Whether per-channel int8 weights take the packed GEMM (linear_packed) in this build. */
+int linear_int8_has_packed(void) { return HAS_PACKED; }
 
 /* Whether per-channel int8 weights take AMX's int8 tiles in this build and process. */
 int linear_int8_has_amx(void) {

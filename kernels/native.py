@@ -329,8 +329,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 # 8192x2048, bf16 rows) won at every count to 48: per channel 34.9 against 60.9 ms at 32 rows,
 # groups of 32 44.6 against 50.9.
 LINEAR_INT8_MAX_ROWS = 8
-# linear_int8's `path` (cpu_int8.c): the build's fastest, the portable one, no AMX
-INT8_PATH_BEST, INT8_PATH_PORTABLE, INT8_PATH_NO_AMX = 0, 1, 2
+# linear_int8's `path` (cpu_int8.c): the build's fastest, the portable one, the fixed-point
+# tiles (not AMX's or the packed GEMM); and the kernel linear_int8_kernel says a call takes
+INT8_PATH_BEST, INT8_PATH_PORTABLE, INT8_PATH_TILES = 0, 1, 2
+INT8_KERNEL_TILES, INT8_KERNEL_AMX, INT8_KERNEL_PACKED = 0, 1, 2
 LINEAR_INT8_MAX_ROWS_FIXED = 64
 LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
 # Per channel on AMX's int8 tiles (a 2-core Xeon with AMX, 2026-12-06, bf16 rows, the 1B's four
@@ -340,6 +342,11 @@ LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
 # against layer by layer on the same C linears (the 1B, ms a step): 156.6 against 173.1 at 32
 # rows, 286.2 against 297.4 at 64, 514.4 against 543.8 at 128, 821.1 against 817.9 at 256.
 LINEAR_INT8_MAX_ROWS_AMX = 512
+# Per channel on the packed AVX2 GEMM (a 2-core AVX2 Zen 3 EPYC, 2026-12-06, bf16 rows, the 1B's
+# four matrices, GFLOP/s): 144 against dequantize + GEMM's 51 at 64 rows, 114 against 94 at
+# 512, 154 against 92 at 1,574, 143 against 96 at 2,048: past every count measured, so no limit
+# (the C kernel takes x a chunk of 1024 rows at a time).
+LINEAR_INT8_MAX_ROWS_PACKED = 1 << 62
 
 
 @cache
@@ -349,10 +356,13 @@ def linear_int8_max_rows(group: int) -> int:
     (VNNI's or AVX2's; asked of the built library, as ``linear_max_rows`` does),
     ``LINEAR_INT8_MAX_ROWS_FIXED`` per channel and ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` for
     groups of 32 (Q8_0's), ``LINEAR_INT8_MAX_ROWS_AMX`` per channel where it runs on AMX's
-    tiles; else ``LINEAR_INT8_MAX_ROWS``."""
+    tiles, ``LINEAR_INT8_MAX_ROWS_PACKED`` (every row count) where it has the packed AVX2 GEMM;
+    else ``LINEAR_INT8_MAX_ROWS``."""
     lib = library("cpu_int8")
     if group == 0 and lib.linear_int8_has_amx():
         return LINEAR_INT8_MAX_ROWS_AMX
+    if group == 0 and lib.linear_int8_has_packed():
+        return LINEAR_INT8_MAX_ROWS_PACKED
     if lib.linear_int8_has_fixed():
         if group == 0:
             return LINEAR_INT8_MAX_ROWS_FIXED
@@ -399,14 +409,14 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None = None, portable: bool = False,
-                     amx: bool = True) -> torch.Tensor:
+                     tiles: bool = False) -> torch.Tensor:
     """The int8 linear through the C kernel whatever the rows of ``x`` ([M, K], float32 or
     bf16; ``q`` [N, K] int8, ``scale`` [N, K / G] float32), in ``x``'s dtype.
 
     Each output is reduced in one order fixed by K and G alone (batch-invariant).
-    ``portable`` forces the portable path where the build has the AVX-512 one, ``amx=False``
-    the fixed-point path where per-channel weights would take AMX's tiles (for tests; the
-    same bits).
+    ``portable`` forces the portable path where the build has the AVX-512 one, ``tiles`` the
+    fixed-point tiles where per-channel weights would take AMX's tiles or the packed GEMM (for
+    tests; the same bits).
     """
     from kernels import int8
 
@@ -422,7 +432,7 @@ def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
         None if bf is None else bf.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16),
         x.shape[0], q.shape[0], q.shape[1], group, INT8_PATH_PORTABLE if portable else (
-            INT8_PATH_BEST if amx else INT8_PATH_NO_AMX), torch.get_num_threads(),
+            INT8_PATH_TILES if tiles else INT8_PATH_BEST), torch.get_num_threads(),
     )
     return out
 

@@ -143,6 +143,8 @@ def test_the_build_has_the_avx512_paths_where_the_cpu_does() -> None:
     granted = bool(native.library("cpu_linear").linear_has_amx()) or "amx_bf16" not in flags
     assert bool(lib.linear_int8_has_amx()) == (
         vnni and {"amx_tile", "amx_int8"} <= set(flags) and granted)
+    # the packed GEMM where the fixed point is AVX2's
+    assert bool(lib.linear_int8_has_packed()) == (not vnni and {"avx2", "fma"} <= set(flags))
 
 
 def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -166,60 +168,83 @@ def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 @pytest.mark.parametrize(("n", "k"), [(16, 64), (33, 100), (130, 1539), (17, 8227), (16, 70000)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 40])  # 17: two x tiles on AMX; 40: a second pass
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("amx", [True, False], ids=["best", "no-amx"])
+@pytest.mark.parametrize("tiles", [False, True], ids=["best", "tiles"])
 def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
-        n: int, k: int, rows: int, dtype: torch.dtype, amx: bool) -> None:
-    # Bit for bit, so AVX2's, VNNI's and AMX's paths agree, whichever a row count takes.
+        n: int, k: int, rows: int, dtype: torch.dtype, tiles: bool) -> None:
+    # Bit for bit, so AVX2's, VNNI's, AMX's and the packed GEMM's paths agree, whichever a row
+    # count takes.
     if not native.library("cpu_int8").linear_int8_has_fixed():
         pytest.skip("no fixed-point path in this build")
     x, q, scale, bias = _case(rows, n, k, None)
     x = x.to(dtype)
-    assert torch.equal(native.linear_int8_rows(x, q, scale, bias, amx=amx),
+    assert torch.equal(native.linear_int8_rows(x, q, scale, bias, tiles=tiles),
                        _fixed_point_product(x, q, scale, bias))
 
 
-def test_per_channel_weights_take_amx_from_8_rows_where_the_build_has_it() -> None:
-    # The same bits either way (above), so only this shows which path a call takes.
+# 12-16: the packed GEMM's last tile of 5 x rows 2, 3, 4, none and 1 rows; 1030: past the 1024
+# rows a call takes at once
+@pytest.mark.parametrize("rows", [12, 13, 14, 15, 16, 1030])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
+                                                            dtype: torch.dtype) -> None:
+    if not native.library("cpu_int8").linear_int8_has_fixed():
+        pytest.skip("no fixed-point path in this build")
+    x, q, scale, bias = _case(rows, 130, 1539, None)
+    x = x.to(dtype)
+    assert torch.equal(native.linear_int8_rows(x, q, scale, bias),
+                       _fixed_point_product(x, q, scale, bias))
+
+
+def test_which_kernel_a_per_channel_call_takes() -> None:
+    # The same bits whichever runs (above), so only this shows which a call takes: AMX's tiles
+    # from 8 rows where the build has them, the packed GEMM from 12 where it has that.
     lib = native.library("cpu_int8")
-    amx = bool(lib.linear_int8_has_amx())
-    def takes(m: int, k: int, g: int, path: int) -> int:
-        return lib.linear_int8_takes_amx(ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(g),
-                                         ctypes.c_int(path))  # restype: int, ctypes' default
-    assert [bool(takes(m, 2048, 2048, native.INT8_PATH_BEST)) for m in (1, 7, 8, 64, 600)] == (
-        [False, False, amx, amx, amx])
-    assert not takes(64, 2048, 32, native.INT8_PATH_BEST)  # groups of 32 stay on VNNI
-    assert not takes(64, 2048, 2048, native.INT8_PATH_NO_AMX)
-    assert not takes(64, 2048, 2048, native.INT8_PATH_PORTABLE)
+    amx, packed = bool(lib.linear_int8_has_amx()), bool(lib.linear_int8_has_packed())
+    def kernel(m: int, k: int, g: int, path: int) -> int:
+        return lib.linear_int8_kernel(ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(g),
+                                      ctypes.c_int(path))  # restype: int, ctypes' default
+    tiles = native.INT8_KERNEL_TILES
+    wide = native.INT8_KERNEL_AMX if amx else native.INT8_KERNEL_PACKED if packed else tiles
+    assert [kernel(m, 2048, 2048, native.INT8_PATH_BEST) for m in (1, 7, 8, 11, 12, 600)] == (
+        [tiles, tiles, wide if amx else tiles, wide if amx else tiles, wide, wide])
+    assert kernel(64, 2048, 32, native.INT8_PATH_BEST) == tiles  # groups of 32: the tiles
+    assert kernel(64, 2048, 2048, native.INT8_PATH_TILES) == tiles
+    assert kernel(64, 2048, 2048, native.INT8_PATH_PORTABLE) == tiles
 
 
 @pytest.mark.parametrize("weight", [127, -128])
 @pytest.mark.parametrize("rows", [3, 40])
-@pytest.mark.parametrize("amx", [True, False], ids=["best", "no-amx"])
-def test_per_channel_sums_at_their_largest_stay_exact(weight: int, rows: int, amx: bool) -> None:
+@pytest.mark.parametrize("tiles", [False, True], ids=["best", "tiles"])
+def test_per_channel_sums_at_their_largest_stay_exact(weight: int, rows: int,
+                                                      tiles: bool) -> None:
     # Every x at X16_MAX (AMX's hi byte 63, lo 255) by every weight at an end of int8, over
-    # 70000 inputs: the VNNI and AVX2 lanes at their fullest over a flush, AMX's lo sums past
-    # 2^31 without its store every 65536 inputs, and 256 * hi past 2^31 unless taken as int64.
+    # 70000 inputs: the VNNI and AVX2 lanes (and the packed GEMM's) at their fullest over a
+    # flush, AMX's lo sums past 2^31 without its store every 65536 inputs, and 256 * hi past
+    # 2^31 unless taken as int64.
     if not native.library("cpu_int8").linear_int8_has_fixed():
         pytest.skip("no fixed-point path in this build")
     k = 70000
     x, q = torch.ones(rows, k), torch.full((32, k), weight, dtype=torch.int8)
     x[1] = -1.0
     scale, bias = torch.full((32, 1), 1e-3), torch.zeros(32)
-    got = native.linear_int8_rows(x, q, scale, bias, amx=amx)
+    got = native.linear_int8_rows(x, q, scale, bias, tiles=tiles)
     assert torch.equal(got, _fixed_point_product(x, q, scale, bias))
     assert got[0, 0] == pytest.approx(k * weight * 1e-3, rel=1e-6)
 
 
 @pytest.mark.skipif("avx2" not in native._cpu_flags().split(), reason="needs AVX2")
-def test_an_avx2_build_gives_the_same_bits_per_channel() -> None:
-    # The AVX2 build's fixed point (8 lanes of vpmaddwd) against this CPU's own (VNNI's 16
-    # lanes, AMX's tiles): the int64 sums make them the same bits.
+@pytest.mark.parametrize("path", ["best", "tiles"])
+def test_an_avx2_build_gives_the_same_bits_per_channel(path: str) -> None:
+    # The AVX2 build's fixed point (its packed GEMM at 40 rows, or its tiles of 8 lanes of
+    # vpmaddwd) against this CPU's own (VNNI's 16 lanes, AMX's tiles): the int64 sums make them
+    # the same bits.
     haswell = native.library("cpu_int8", march="haswell")
     x, q, scale, bias = _case(40, 130, 1539, None)
     x = x.to(torch.bfloat16)
     out = torch.empty(40, 130, dtype=torch.bfloat16)
     haswell.linear_int8(x.data_ptr(), 1, q.data_ptr(), scale.data_ptr(), bias.data_ptr(),
-                        out.data_ptr(), 1, 40, 130, 1539, 1539, native.INT8_PATH_BEST, 2)
+                        out.data_ptr(), 1, 40, 130, 1539, 1539,
+                        native.INT8_PATH_BEST if path == "best" else native.INT8_PATH_TILES, 2)
     assert torch.equal(out, native.linear_int8_rows(x, q, scale, bias))
 
 
@@ -236,8 +261,8 @@ def test_fixed_point_path_is_closer_than_the_weights_rounding(group: int | None)
     assert got_error <= ref_error * 1.01
 
 
-# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 512 on AMX, 32 in
-# groups of 32): dequantize + GEMM
+# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 512 on AMX, every
+# count on the packed AVX2 GEMM, 32 in groups of 32): dequantize + GEMM
 @pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
@@ -259,12 +284,13 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
 
 def test_the_fixed_point_path_takes_the_kernel_further() -> None:
     # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM to 64 rows per channel
-    # (512 on AMX's tiles) and 32 in groups of 32 (kernels/native.py); other groups and the
-    # other paths to 8.
+    # (512 on AMX's tiles, every count on the packed AVX2 GEMM) and 32 in groups of 32
+    # (kernels/native.py); other groups and the other paths to 8.
     lib = native.library("cpu_int8")
     fixed = bool(lib.linear_int8_has_fixed())
     assert native.linear_int8_max_rows(0) == (
-        512 if lib.linear_int8_has_amx() else 64 if fixed else 8)
+        512 if lib.linear_int8_has_amx() else native.LINEAR_INT8_MAX_ROWS_PACKED
+        if lib.linear_int8_has_packed() else 64 if fixed else 8)
     assert native.linear_int8_max_rows(32) == (32 if fixed else 8)
     assert native.linear_int8_max_rows(16) == 8
 
