@@ -54,7 +54,7 @@ DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name)
     "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_FLOAT32_AVX2", "LINEAR_MAX_ROWS_BF16_DOT",
     "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_FIXED", "LINEAR_INT8_MAX_ROWS_FIXED_GROUPS",
-    "LINEAR_INT8_MAX_ROWS_AMX")}
+    "LINEAR_INT8_MAX_ROWS_AMX", "LINEAR_INT8_MAX_ROWS_PACKED")}
 
 
 def set_one_call_rows(limit: int | None) -> None:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
              else native.linear_max_rows(getattr(torch, args.dtype)))
     set_one_call_rows(None)
     print(f"{args.model or args.shape}, {args.dtype}{', int8' if args.quantization else ''}: "
-          f"C rows {limit}")
+          f"C rows {'every count' if limit >= native.LINEAR_INT8_MAX_ROWS_PACKED else limit}")
     print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
     print("|---|---|---|---|")
     for rows in args.rows:
