@@ -210,8 +210,9 @@ INLINE void linear_rows(const float *x, const int8_t *q, const float *scale, con
  * where the float path read 1.5-3 GB/s. The lanes hold at most 256 steps (K_CHUNK inputs; AVX2's
  * 8 lanes then hold 1024 products: 1024 * X16_MAX * 128 < 2^31) before they are added into the
  * output's int64 sum. So each output's sum of x * q is exact and is rounded to float once
- * (store_channel): AVX2, VNNI and AMX's tiles (linear_amx_int8) give the same bits, and which
- * of them runs may depend on the row count without breaking the batch-invariant mode. x's
+ * (store_channel): AVX2, VNNI, AMX's tiles (linear_amx_int8) and the packed GEMM
+ * (linear_packed) give the same bits, and which of them runs may depend on the row count
+ * without breaking the batch-invariant mode. x's
  * rounding is at most half of max|x_m| / X16_MAX an element, far below the weights' own (half a
  * step of max|w_n| / 127), and a row's result depends on that row alone.
  *
@@ -773,13 +774,15 @@ static void linear_packed(const int16_t *xq, const float *xs, const int8_t *q,
             int64_t m0 = 0;
             for (; m0 + PK_M <= M; m0 += PK_M)
                 packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, PK_M);
-            switch (M - m0) {
-            case 4: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 4); break;
-            case 3: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 3); break;
-            case 2: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 2); break;
-            case 1: packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 1); break;
-            default: break;
-            }
+            const int P = (int)(M - m0); /* the last tile's rows, a constant in each call */
+            if (P == 4)
+                packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 4);
+            else if (P == 3)
+                packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 3);
+            else if (P == 2)
+                packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 2);
+            else if (P == 1)
+                packed_rows(xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, pk, m0, n0, 1);
         }
         free(pk);
     }
@@ -837,9 +840,9 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
  * packed GEMM (for tests). */
 enum { PATH_BEST, PATH_PORTABLE, PATH_TILES };
 
-/* Which kernel linear_int8 runs for M rows by weights with a scale per G of their K inputs, on
- * `path`: AMX's int8 tiles, the packed GEMM or the path's own tiles (the same bits per channel:
- * the tests ask this). */
+/* Which kernel linear_int8 runs for M rows (at most CALL_ROWS: more go a chunk at a time, each
+ * asked apart) by weights with a scale per G of their K inputs, on `path`: AMX's int8 tiles,
+ * the packed GEMM or the path's own tiles (the same bits per channel: the tests ask this). */
 int linear_int8_kernel(int64_t M, int64_t K, int64_t G, int path) {
     if (path != PATH_BEST || G != K)
         return KERNEL_TILES;

@@ -162,10 +162,12 @@ def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return ((exact.to(torch.float32) * xs) * scale.T + bias).to(x.dtype)
 
 
-# (N, K): 16 and 64 one AMX block and step; 100 and 1539 inputs past the last 64 (36 of them a
-# step of 32 and 4 more, and 3); 130 and 17 rows past the last block of 16; 8227 past the VNNI
-# lanes' 8192; 70000 past AMX's 65536.
-@pytest.mark.parametrize(("n", "k"), [(16, 64), (33, 100), (130, 1539), (17, 8227), (16, 70000)])
+# (N, K): 16 and 64 one AMX block and step; 48 by 64 whole blocks and steps past the first
+# (their outputs stored as one run); 100 and 1539 inputs past the last 64 (36 of them a step of
+# 32 and 4 more, and 3); 130 and 17 rows past the last block of 16; 8227 past the VNNI lanes'
+# 8192; 70000 past AMX's 65536.
+@pytest.mark.parametrize(("n", "k"), [(16, 64), (48, 64), (33, 100), (130, 1539), (17, 8227),
+                                      (16, 70000)])
 @pytest.mark.parametrize("rows", [1, 3, 17, 40])  # 17: two x tiles on AMX; 40: a second pass
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tiles", [False, True], ids=["best", "tiles"])
@@ -191,8 +193,16 @@ def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
         pytest.skip("no fixed-point path in this build")
     x, q, scale, bias = _case(rows, 130, 1539, None)
     x = x.to(dtype)
-    assert torch.equal(native.linear_int8_rows(x, q, scale, bias),
-                       _fixed_point_product(x, q, scale, bias))
+    want = _fixed_point_product(x.float(), q, scale, bias)
+    assert torch.equal(native.linear_int8_rows(x, q, scale, bias), want.to(dtype))
+    # y in the other dtype (each chunk of rows finds its place in y by y's own)
+    other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+    out = torch.empty(rows, 130, dtype=other)
+    native.library("cpu_int8").linear_int8(
+        x.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
+        bias.data_ptr(), out.data_ptr(), int(other == torch.bfloat16), rows, 130, 1539, 1539,
+        native.INT8_PATH_BEST, 2)
+    assert torch.equal(out, want.to(other))
 
 
 def test_which_kernel_a_per_channel_call_takes() -> None:
