@@ -162,6 +162,17 @@ def _fixed_point_product(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return ((exact.to(torch.float32) * xs) * scale.T + bias).to(x.dtype)
 
 
+def _c_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor, out_dtype: torch.dtype, path: int) -> torch.Tensor:
+    """cpu_int8.c's linear_int8 of per-channel weights called straight (a build of the test's
+    choosing, y in any dtype), on 2 threads."""
+    out = torch.empty(x.shape[0], q.shape[0], dtype=out_dtype)
+    lib.linear_int8(x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
+                    bias.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+                    x.shape[0], q.shape[0], q.shape[1], q.shape[1], path, 2)
+    return out
+
+
 # (N, K): 16 and 64 one AMX block and step; 48 by 64 whole blocks and steps past the first
 # (their outputs stored as one run); 100 and 1539 inputs past the last 64 (36 of them a step of
 # 32 and 4 more, and 3); 130 and 17 rows past the last block of 16; 8227 past the VNNI lanes'
@@ -197,11 +208,7 @@ def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
     assert torch.equal(native.linear_int8_rows(x, q, scale, bias), want.to(dtype))
     # y in the other dtype (each chunk of rows finds its place in y by y's own)
     other = torch.bfloat16 if dtype == torch.float32 else torch.float32
-    out = torch.empty(rows, 130, dtype=other)
-    native.library("cpu_int8").linear_int8(
-        x.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr(), scale.data_ptr(),
-        bias.data_ptr(), out.data_ptr(), int(other == torch.bfloat16), rows, 130, 1539, 1539,
-        native.INT8_PATH_BEST, 2)
+    out = _c_linear(native.library("cpu_int8"), x, q, scale, bias, other, native.INT8_PATH_BEST)
     assert torch.equal(out, want.to(other))
 
 
@@ -251,10 +258,8 @@ def test_an_avx2_build_gives_the_same_bits_per_channel(path: str) -> None:
     haswell = native.library("cpu_int8", march="haswell")
     x, q, scale, bias = _case(40, 130, 1539, None)
     x = x.to(torch.bfloat16)
-    out = torch.empty(40, 130, dtype=torch.bfloat16)
-    haswell.linear_int8(x.data_ptr(), 1, q.data_ptr(), scale.data_ptr(), bias.data_ptr(),
-                        out.data_ptr(), 1, 40, 130, 1539, 1539,
-                        native.INT8_PATH_BEST if path == "best" else native.INT8_PATH_TILES, 2)
+    out = _c_linear(haswell, x, q, scale, bias, torch.bfloat16,
+                    native.INT8_PATH_BEST if path == "best" else native.INT8_PATH_TILES)
     assert torch.equal(out, native.linear_int8_rows(x, q, scale, bias))
 
 
