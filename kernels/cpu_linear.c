@@ -376,8 +376,144 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 }
 #endif
 
-void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
-                  void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+#if HAS_BF16_DOT
+/* bf16 rows by bf16 weights from COLUMNS_FROM rows, outside the batch-invariant mode: the
+ * outputs as lanes. x's rows are packed as pairs of inputs, 16 rows a vector ([K / 2][rows][2]
+ * 32-bit lanes), and each weight row's pair of inputs is broadcast to every lane, so one
+ * vdpbf16ps adds a pair's products for 16 x rows of one output. A tile takes Pv vectors (16 to
+ * 64 x rows) by R weight rows (Pv * R = 24 accumulators, R broadcasts a step), and reads its
+ * weight rows once for all those rows, in one pass over K: no horizontal sums at the end, and
+ * the x pairs and the weights' 4 bytes a step come from L1 and L2 at a fraction of the dot
+ * tiles' traffic (which load a weight vector and an x vector for every 4 products).
+ *
+ * On a 2-core Zen 4 EPYC (AVX512-BF16, 452 GFLOP/s of vdpbf16ps on both cores), the dot tiles
+ * ran Llama-3.2-1B's matrices at 54% of one core's peak on one thread, weights in L2 or not;
+ * this ran them at 380-410 GFLOP/s on both from 48 rows (1.1-1.4x the tiles at 32-96 rows,
+ * best of 9 in turn; torch's GEMM 1.0-1.4x slower to 96 rows, faster from 128). Below 32 rows
+ * its vectors are part-filled or its broadcasts too many: 16 rows 0.84-1.0x the tiles, 24 rows
+ * 0.83-0.88x.
+ *
+ * Each output is its pairs' products added in the order of K whatever the rows (a lane is one x
+ * row), but not in the dot tiles' order (16 lanes over K, then a tree): the batch-invariant
+ * mode keeps the tiles at every row count (linear_fixed). */
+#define COLUMNS_FROM 32
+#define COLUMNS_VECTORS 4 /* x vectors of 16 rows a pass, at most */
+#define COLUMNS_ACC 24    /* accumulators a tile: Pv * R */
+
+/* x rows m0 .. m0 + P as pairs of inputs, `lanes` (16 * Pv) a step: xp[j * lanes + l] = x[m0 +
+ * l][2j .. 2j + 1], zero for the lanes past P. */
+static void columns_pack(const uint16_t *xh, int64_t K, int64_t m0, int P, int lanes,
+                         uint32_t *xp) {
+    const int64_t pairs = K / 2;
+    for (int l = 0; l < lanes; l++) {
+        const uint16_t *row = xh + (m0 + l) * K;
+        for (int64_t j = 0; j < pairs; j++) {
+            uint32_t pair = 0;
+            if (l < P)
+                memcpy(&pair, row + 2 * j, sizeof pair);
+            xp[j * lanes + l] = pair;
+        }
+    }
+}
+
+/* Outputs n0 .. n0 + R of the x rows m0 .. m0 + P, packed in xp (Pv vectors). The weight rows
+ * are K * 2 bytes apart, a multiple of 4 KiB for most models: their bytes of one step share an
+ * L1 set, and reading 12 or 24 of them at once thrashed its 8 ways (16 rows ran at 100 GFLOP/s).
+ * So every 16 steps the tile copies the rows' next 64 bytes into `stage`, one contiguous block,
+ * and broadcasts from there (16 rows: 256 GFLOP/s). Pv and R are constants where inlined. */
+INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t *w,
+                         const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
+                         int64_t m0, int P, int64_t n0, const int Pv, const int R) {
+    const int lanes = Pv * 16;
+    const int64_t pairs = K / 2;
+    const uint16_t *wr = w + n0 * K;
+    __m512 acc[COLUMNS_VECTORS][COLUMNS_ACC];
+    int32_t stage[COLUMNS_ACC * 16] __attribute__((aligned(64)));
+    for (int v = 0; v < Pv; v++)
+        for (int r = 0; r < R; r++)
+            acc[v][r] = _mm512_setzero_ps();
+    for (int64_t jb = 0; jb < pairs; jb += 16) {
+        const int64_t steps = pairs - jb < 16 ? pairs - jb : 16;
+        if (steps == 16) {
+#pragma GCC unroll 24
+            for (int r = 0; r < R; r++) {
+                _mm512_store_si512(stage + r * 16, _mm512_loadu_si512(wr + r * K + 2 * jb));
+                prefetch_stream(wr + r * K + 2 * jb);
+            }
+        } else {
+            for (int r = 0; r < R; r++)
+                memcpy(stage + r * 16, wr + r * K + 2 * jb, (size_t)steps * 4);
+        }
+        for (int64_t s = 0; s < steps; s++) {
+            __m512bh xv[COLUMNS_VECTORS];
+            for (int v = 0; v < Pv; v++)
+                xv[v] = (__m512bh)_mm512_loadu_si512(xp + (jb + s) * lanes + v * 16);
+#pragma GCC unroll 24
+            for (int r = 0; r < R; r++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32(stage[r * 16 + s]);
+                for (int v = 0; v < Pv; v++)
+                    acc[v][r] = _mm512_dpbf16_ps(acc[v][r], xv[v], b);
+            }
+        }
+    }
+    float out[COLUMNS_ACC][COLUMNS_VECTORS * 16];
+    for (int v = 0; v < Pv; v++)
+        for (int r = 0; r < R; r++)
+            _mm512_storeu_ps(&out[r][v * 16], acc[v][r]);
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < R; r++) {
+            float s = out[r][p];
+            if (K % 2) /* the last input, past the pairs */
+                s += bf16_to_f32(xh[(m0 + p) * K + K - 1]) * bf16_to_f32(wr[r * K + K - 1]);
+            store_out(y, y_bf16, (m0 + p) * N + n0 + r, s, bias, n0 + r);
+        }
+}
+
+/* The tiles of Pv vectors over every weight row: COLUMNS_ACC / Pv rows a tile, shared by the
+ * threads; the rows past the last whole tile one at a time. */
+#define COLUMNS_PASS(PV)                                                                      \
+    {                                                                                         \
+        const int64_t tiles = N / (COLUMNS_ACC / (PV));                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                 \
+        for (int64_t t = 0; t < tiles; t++)                                                   \
+            columns_tile(xp, xh, w, bias, y, y_bf16, N, K, m0, P, t * (COLUMNS_ACC / (PV)),   \
+                         PV, COLUMNS_ACC / (PV));                                             \
+        for (int64_t n = tiles * (COLUMNS_ACC / (PV)); n < N; n++)                            \
+            columns_tile(xp, xh, w, bias, y, y_bf16, N, K, m0, P, n, PV, 1);                  \
+    }
+
+/* y for the M bf16 x rows xh ([M, K]) by N bf16 weight rows, in passes of up to
+ * COLUMNS_VECTORS * 16 rows, their vectors spread evenly (80 rows: 48 and 32). */
+static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *bias, void *y,
+                           int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t vectors = (M + 15) / 16;
+    const int64_t passes = (vectors + COLUMNS_VECTORS - 1) / COLUMNS_VECTORS;
+    const int64_t pass_rows = 16 * ((vectors + passes - 1) / passes);
+    uint32_t *xp = malloc((size_t)(K / 2 + 1) * pass_rows * sizeof *xp);
+    for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int P = (int)(M - m0 < pass_rows ? M - m0 : pass_rows);
+        const int Pv = (P + 15) / 16;
+        columns_pack(xh, K, m0, P, 16 * Pv, xp);
+        switch (Pv) {
+        case 1: COLUMNS_PASS(1) break;
+        case 2: COLUMNS_PASS(2) break;
+        case 3: COLUMNS_PASS(3) break;
+        default: COLUMNS_PASS(4) break;
+        }
+    }
+    free(xp);
+}
+#undef COLUMNS_PASS
+#else
+#define COLUMNS_FROM 0 /* no columns in this build */
+#endif
+
+/* The linear for M rows; with fixed_order, each output reduced in one order fixed by K alone
+ * (the tiles, or AMX's, at every row count: the batch-invariant mode's), else by the fastest
+ * kernel for M. */
+static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
+                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads,
+                   int fixed_order) {
     /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into its
      * even and its odd ones (xa). The dot product and AMX's tiles read the bf16 x: xf then
      * serves only the inputs past the last 2 * VL (32, AMX's step too), and is made only where
@@ -403,6 +539,13 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
         return;
     }
 #endif
+#if HAS_BF16_DOT
+    if (dot && !fixed_order && M >= COLUMNS_FROM) {
+        linear_columns(x, w, bias, y, y_bf16, M, N, K, num_threads);
+        free(buffer);
+        return;
+    }
+#endif
     if (dot) {
         linear_rows(xf, xa, x, w, bias, y, y_bf16, M, N, K, BF16_DOT, num_threads);
     } else if (split_x) {
@@ -421,6 +564,24 @@ void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const fl
     }
     free(buffer);
 }
+
+/* y = x @ w^T (+ bias) for the M rows of x: bf16 rows by bf16 weights from COLUMNS_FROM rows
+ * through the columns (where the build has them and AMX does not take them), else the tiles. */
+void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
+                  void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 0);
+}
+
+/* The same with each output reduced in one order fixed by K alone, whatever M: the tiles (or
+ * AMX's) at every row count, for kernels.batch_invariant. */
+void linear_fixed(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
+                  void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
+    linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 1);
+}
+
+/* The rows from which bf16 rows by bf16 weights take the columns in linear_small (0: never in
+ * this build; AMX's tiles take them first where the process may use AMX). */
+int linear_columns_from(void) { return COLUMNS_FROM; }
 
 /* Whether bf16 rows by bf16 weights take AVX512-BF16's dot product in this build
  * (kernels.native.linear_max_rows sizes the kernel's row limit by it). */

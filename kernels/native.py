@@ -72,6 +72,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     # which the batch-invariant mode rules out. No slower here: the kernel waits on memory.
     "cpu_linear": (("-ffp-contract=off",), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
+        "linear_fixed": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
     }),
     # The same for the int8 linear: on an AVX2 host gcc 12 contracted its tile shapes apart.
     # Measured there, one thread, 8192x2048: 1 row unchanged (7.4-7.9 ms either way), 4 rows
@@ -232,7 +233,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """
     if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
             x.dtype in LINEAR_MAX_ROWS):
-        return linear_rows(x, weight, bias)
+        return _linear_c("linear_small", x, weight, bias)
     if weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return _linear_widened(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -299,16 +300,23 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear(x, weight, bias)`` through the C kernel whatever the rows of ``x`` ([M, K],
     float32 or bf16; ``weight`` [N, K] float32 or bf16), in ``x``'s dtype.
 
-    Each output is reduced in one order fixed by ``K`` alone (``cpu_linear.c``): a row's
-    result does not depend on ``M`` nor on the other rows, which ``kernels.batch_invariant``
-    relies on.
+    Each output is reduced in one order fixed by ``K`` alone (``cpu_linear.c``'s
+    ``linear_fixed``: its tiles at every row count, never the columns ``linear`` takes for
+    many bf16 rows): a row's result does not depend on ``M`` nor on the other rows, which
+    ``kernels.batch_invariant`` relies on.
     """
+    return _linear_c("linear_fixed", x, weight, bias)
+
+
+def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` through ``cpu_linear.c``'s ``linear_small`` or ``linear_fixed``."""
     if x.dtype not in LINEAR_MAX_ROWS or weight.dtype not in LINEAR_MAX_ROWS:
         raise TypeError(f"no C linear for {x.dtype} rows by {weight.dtype} weights")
     weight, x = weight.contiguous(), x.contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
     out = x.new_empty(x.shape[0], weight.shape[0])
-    library("cpu_linear").linear_small(
+    getattr(library("cpu_linear"), function)(
         x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
         int(weight.dtype == torch.bfloat16), None if bf is None else bf.data_ptr(),
         out.data_ptr(), int(out.dtype == torch.bfloat16), x.shape[0], weight.shape[0],
@@ -638,7 +646,9 @@ class DecodeLayers:
     It holds the weights' addresses: build it once they are loaded, and keep them in place.
     Steps of more rows than :attr:`max_rows` (where ``linear`` goes to torch's GEMM) are not
     for it. Int8 projections (every layer's, with ``scales``) go through ``linear_int8``'s C
-    kernel, one scale group size for the model.
+    kernel, one scale group size for the model; the others through :func:`linear`'s
+    (``linear_small``, whose order of reduction changes with the rows: the batch-invariant mode
+    never runs a step in one call, its steps having no cascade metadata).
     """
 
     def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int,

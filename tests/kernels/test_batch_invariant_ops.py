@@ -53,6 +53,22 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype) -> None:
                             device=torch.device("cpu"))
 
 
+def test_cpu_linear_rows_keep_one_order_where_the_default_changes_it() -> None:
+    # bf16 rows of a wide range of magnitudes, so that the order of a sum shows in its bf16
+    # rounding: 64 rows take the columns in the default linear where the build has them, whose
+    # order is not the tiles'. linear_rows must keep the tiles' (a row alone is a lone stream).
+    gen = torch.Generator().manual_seed(11)
+    scale = 2.0 ** torch.randint(-12, 12, (64, 576), generator=gen)
+    x = (torch.randn(64, 576, generator=gen) * scale).to(torch.bfloat16)
+    w = torch.randn(96, 576, generator=gen).to(torch.bfloat16)
+    out = native.linear_rows(x, w)
+    for i in (0, 31, 63):
+        assert torch.equal(native.linear_rows(x[i : i + 1], w)[0], out[i]), f"row {i} differs"
+    lib = native.library("cpu_linear")
+    if lib.linear_columns_from() and not lib.linear_has_amx():  # the data tells the orders apart
+        assert not torch.equal(native.linear(x, w), out)
+
+
 def test_cpu_decode_row_alone_is_the_row_in_a_batch(cpu_paged_batch) -> None:
     # With 2 threads a lone row would be split in two runs merged after (split-K) by default.
     ops = invariant_ops(get_ops("cpu"))

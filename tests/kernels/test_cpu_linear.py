@@ -17,23 +17,31 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 SHAPES = [(1, 13), (7, 64), (1001, 576), (66, 1539)]
 
 
+# The C kernel's two entries whatever linear_max_rows says: linear_small (the default mode's;
+# bf16 rows by bf16 weights from COLUMNS_FROM rows take the columns where it has them) and
+# linear_fixed (the batch-invariant mode's tiles at every row count).
+KERNELS = {"dispatch": native.linear, "fixed": native.linear_rows,
+           "small": lambda x, w, b: native._linear_c("linear_small", x, w, b)}
+
+
 # past linear_max_rows, torch's GEMM: 40 rows with AVX2, 72 with AVX-512
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 40, 72])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 33, 40, 72, 100])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
-@pytest.mark.parametrize("kernel", ["dispatch", "c"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torch.dtype,
                                           with_bias: bool, kernel: str) -> None:
-    # "c": the C kernel whatever linear_max_rows says (its tiles: a lone row's stream; 2 and 3
-    # rows in 2-row tiles; 7, 8, 9 and 40 in 4-row tiles and what is left, 7 in one of each
-    # kind, 72 in a chunk of 64 rows and one of 8; on AMX, 20 rows in x tiles of 16 and 4, 40 in
-    # a pass of 32 and one of 8).
+    # The tiles: a lone row's stream; 2 and 3 rows in 2-row tiles; 7, 8, 9 and 40 in 4-row tiles
+    # and what is left, 7 in one of each kind, 72 in a chunk of 64 rows and one of 8; on AMX, 20
+    # rows in x tiles of 16 and 4, 40 in a pass of 32 and one of 8. The columns: 33 rows in two
+    # vectors (31 lanes empty), 40 in three, 72 in passes of 48 and 24, 100 of 64 and 36; N past
+    # the last whole tile (n = 1001, 66: 24 accumulators by 2, 3 or 4 vectors), K odd (13, 1539).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    out = (native.linear if kernel == "dispatch" else native.linear_rows)(x, weight, bias)
+    out = KERNELS[kernel](x, weight, bias)
     assert out.dtype == dtype and out.shape == (rows, n)
     expected = _reference(x, weight, bias)
     # float32 accumulation over k terms, then the output rounded to its dtype.
@@ -53,9 +61,10 @@ def _bf16_and_float32_outputs(x: torch.Tensor, weight: torch.Tensor,
     return outs
 
 
-@pytest.mark.parametrize("rows", [1, 20])
+@pytest.mark.parametrize("rows", [1, 20, 40])
 # On AMX, k = 64 stores 16 outputs at once, k = 1539 one at a time (inputs past the last 32);
-# n = 64 reads x in bf16 only, n = 50 has two weight rows past the tiles.
+# n = 64 reads x in bf16 only, n = 50 has two weight rows past the tiles. 40 rows: the columns
+# where the build has them.
 @pytest.mark.parametrize(("n", "k"), [(64, 64), (50, 64), (50, 1539)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_bf16_outputs_are_the_float32_sums_rounded(rows: int, n: int, k: int,
@@ -71,6 +80,55 @@ def test_bf16_outputs_are_the_float32_sums_rounded(rows: int, n: int, k: int,
     expected = _reference(x, weight, bias)
     torch.testing.assert_close(outs[torch.float32].double(), expected,
                                atol=1e-5 * float(expected.abs().max()), rtol=0)
+
+
+COLUMNS_FROM = native.library("cpu_linear").linear_columns_from()  # 0: none in this build
+
+
+def _float32_sums(function: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The float32 outputs of cpu_linear.c's ``function`` (linear_small or linear_fixed) for
+    bf16 rows by bf16 weights: every bit of each sum, not only a bf16 rounding's."""
+    out = torch.empty(x.shape[0], weight.shape[0])
+    getattr(native.library("cpu_linear"), function)(
+        x.data_ptr(), 1, weight.data_ptr(), 1, None, out.data_ptr(), 0, x.shape[0],
+        weight.shape[0], x.shape[1], 2)
+    return out
+
+
+@pytest.mark.skipif(COLUMNS_FROM == 0 or bool(native.library("cpu_linear").linear_has_amx()),
+                    reason="no columns in this build, or AMX's tiles take bf16 rows first")
+@pytest.mark.parametrize(("n", "k"), [(1001, 576), (66, 1539)])
+def test_many_bf16_rows_take_the_columns(n: int, k: int) -> None:
+    # From COLUMNS_FROM rows linear_small adds each output's pairs in K's order, one x row a
+    # lane: a row's sums are the same in any batch of that many rows or more, at any lane of any
+    # pass, and differ from the tiles' (the batch-invariant mode's order), which fewer rows take.
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(100, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+
+    def small(rows: slice) -> torch.Tensor:
+        return _float32_sums("linear_small", x[rows], weight)
+
+    batch = small(slice(0, 100))  # passes of 64 and 36 rows
+    assert torch.equal(small(slice(0, COLUMNS_FROM)), batch[:COLUMNS_FROM])
+    assert torch.equal(small(slice(37, 37 + COLUMNS_FROM)), batch[37:37 + COLUMNS_FROM])
+    assert torch.equal(small(slice(50, 100)), batch[50:])  # 50 rows: 4 vectors, 14 lanes empty
+    fewer = slice(0, COLUMNS_FROM - 1)
+    assert torch.equal(small(fewer), _float32_sums("linear_fixed", x[fewer], weight))
+    assert not torch.equal(batch, _float32_sums("linear_fixed", x, weight))  # orders differ
+
+
+def test_without_the_columns_both_entries_are_the_tiles() -> None:
+    # Float32 weights (and bf16 ones where the build has no columns, or AMX takes them) go through
+    # the same kernel from linear_small and linear_fixed at any row count.
+    gen = torch.Generator().manual_seed(5)
+    dtypes = [torch.float32] + ([torch.bfloat16] if COLUMNS_FROM == 0 or native.library(
+        "cpu_linear").linear_has_amx() else [])
+    for dtype in dtypes:
+        x = torch.randn(72, 576, generator=gen).to(dtype)
+        weight = torch.randn(130, 576, generator=gen).to(dtype)
+        assert torch.equal(native._linear_c("linear_small", x, weight, None),
+                           native.linear_rows(x, weight))
 
 
 def test_bf16_outputs_keep_infinities_and_nans() -> None:
