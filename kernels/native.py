@@ -107,7 +107,11 @@ STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
 # day, --one-call-rows 128, two runs) it won to 80 rows: 247.1 against 293.7 at 32, 295.6-302.9
 # against 346.9-362.0 at 40, 351.8-361.1 against 412.1-418.0 at 48, 384.7-394.2 against 412.8-435.7
 # at 64, 494.4 against 521.7 at 80; it tied at 96 (618.2 against 621.6) and lost at 128 (687.4
-# against 664.5). The limit is 64. Where torch's bf16 GEMM runs on AMX tiles (a 2-core Xeon with
+# against 664.5). With 32 rows and more on the columns (cpu_linear.c's linear_columns; the same
+# CPU model, 2026-12-07, --one-call-rows 128 and 256): 241.6 against 332.8 ms at 32, 396.8
+# against 484.2 at 64, 489.3 against 644.1 at 80, 588.2-621.2 against 655.2-669.9 at 96; a tie
+# from 128 (671.5-699.3 against 668.7-728.2; 822.8 against 839.2 at 192). The limit is 96.
+# Where torch's bf16 GEMM runs on AMX tiles (a 2-core Xeon with
 # AMX, 2026-12-05, Llama-3.2-1B's decode steps, bench/decode_rows.py): the one C call with the dot
 # product won to 4 rows (84.7 against 110.5 ms), tied at 6 (112.7 against 112.4) and lost at 8
 # (130.3 against 112.7). The kernel on AMX's tiles itself (one pass over the weights for up to 32
@@ -133,7 +137,7 @@ LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 24}
 # 292.7 against 800.1 at 16, 602.5 against 1120.1 at 32, 919.3 against 1294.9 at 64. Not measured
 # on a Xeon.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
-LINEAR_MAX_ROWS_BF16_DOT = 64
+LINEAR_MAX_ROWS_BF16_DOT = 96
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32
 
@@ -188,6 +192,8 @@ def library(name: str, sources: Path | None = None, march: str = "native") -> ct
             built.replace(target)  # atomic: concurrent builders each publish a whole file
     lib = ctypes.CDLL(str(target))
     for function, argtypes in functions.items():
+        if sources is not None and not hasattr(lib, function):
+            continue  # another revision's build, from before the function
         getattr(lib, function).restype = None
         getattr(lib, function).argtypes = argtypes
     return lib

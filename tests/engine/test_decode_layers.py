@@ -19,9 +19,9 @@ NUM_NEW = 12
 def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
               shared_prefix: int = 0) -> tuple[list, int, LlamaForCausalLM]:
     """Greedy outputs with logprobs, how many steps ran as one C call, and the model."""
-    # every prompt prefilled in one step, so that the batch decodes and finishes together (66
-    # of 5 to 140 tokens where bf16 takes 64 rows)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=1024,
+    # every prompt prefilled in one step and none preempted, so that the batch decodes and
+    # finishes together (98 of 5 to 140 tokens where bf16 takes 96 rows)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=2048,
                                     max_num_batched_tokens=8192))
     model = engine.runner.model
     assert isinstance(model, LlamaForCausalLM)
@@ -48,7 +48,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
             for o in outputs]
 
 
-BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 64 (dot), 32 (AMX tiles), 5, or 24
+BF16_ROWS = native.linear_max_rows(torch.bfloat16)  # 96 (dot), 32 (AMX tiles), 5, or 24
 F32_ROWS = native.linear_max_rows(torch.float32)  # 64 (AVX-512) or 32
 
 
