@@ -346,7 +346,7 @@ LINEAR_INT8_MAX_ROWS = 8
 # linear_int8's `path` (cpu_int8.c): the build's fastest, the portable one, the fixed-point
 # tiles (not AMX's or the packed GEMM); and the kernel linear_int8_kernel says a call takes
 INT8_PATH_BEST, INT8_PATH_PORTABLE, INT8_PATH_TILES = 0, 1, 2
-INT8_KERNEL_TILES, INT8_KERNEL_AMX, INT8_KERNEL_PACKED = 0, 1, 2
+INT8_KERNEL_TILES, INT8_KERNEL_AMX, INT8_KERNEL_PACKED, INT8_KERNEL_COLUMNS = 0, 1, 2, 3
 LINEAR_INT8_MAX_ROWS_FIXED = 64
 LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
 # Per channel on AMX's int8 tiles (a 2-core Xeon with AMX, 2026-12-06, bf16 rows, the 1B's four
@@ -361,6 +361,11 @@ LINEAR_INT8_MAX_ROWS_AMX = 512
 # 512, 154 against 92 at 1,574, 143 against 96 at 2,048: past every count measured, so no limit
 # (the C kernel takes x a chunk of 1024 rows at a time).
 LINEAR_INT8_MAX_ROWS_PACKED = 1 << 62
+# Per channel on the columns with VNNI (a 2-core Zen 4 EPYC, 2026-12-07, bf16 rows, the 1B's
+# 8192x2048 and 2048x8192, GOP/s): 334-349 against dequantize + GEMM's 187-193 at 128 rows,
+# 322-344 against 250-256 at 256, 333-342 against 297-312 at 512, 332-336 against 323-337 at
+# 1,024 (torch's GEMM gains with more rows; a prefill chunk of 2,048 goes to it).
+LINEAR_INT8_MAX_ROWS_COLUMNS = 1024
 
 
 @cache
@@ -370,13 +375,16 @@ def linear_int8_max_rows(group: int) -> int:
     (VNNI's or AVX2's; asked of the built library, as ``linear_max_rows`` does),
     ``LINEAR_INT8_MAX_ROWS_FIXED`` per channel and ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` for
     groups of 32 (Q8_0's), ``LINEAR_INT8_MAX_ROWS_AMX`` per channel where it runs on AMX's
-    tiles, ``LINEAR_INT8_MAX_ROWS_PACKED`` (every row count) where it has the packed AVX2 GEMM;
-    else ``LINEAR_INT8_MAX_ROWS``."""
+    tiles, ``LINEAR_INT8_MAX_ROWS_PACKED`` (every row count) where it has the packed AVX2 GEMM,
+    ``LINEAR_INT8_MAX_ROWS_COLUMNS`` where it has VNNI's columns; else
+    ``LINEAR_INT8_MAX_ROWS``."""
     lib = library("cpu_int8")
     if group == 0 and lib.linear_int8_has_amx():
         return LINEAR_INT8_MAX_ROWS_AMX
     if group == 0 and lib.linear_int8_has_packed():
         return LINEAR_INT8_MAX_ROWS_PACKED
+    if group == 0 and lib.linear_int8_has_columns():
+        return LINEAR_INT8_MAX_ROWS_COLUMNS
     if lib.linear_int8_has_fixed():
         if group == 0:
             return LINEAR_INT8_MAX_ROWS_FIXED

@@ -194,9 +194,10 @@ def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
                        _fixed_point_product(x, q, scale, bias))
 
 
-# 12-16: the packed GEMM's last tile of 5 x rows 2, 3, 4, none and 1 rows; 1030: past the 1024
-# rows a call takes at once
-@pytest.mark.parametrize("rows", [12, 13, 14, 15, 16, 1030])
+# 12-16: the packed GEMM's last tile of 5 x rows 2, 3, 4, none and 1 rows; 33 and 80: the
+# columns' vectors part-filled, and in passes of 48 and 32; 1030: past the 1024 rows a call
+# takes at once
+@pytest.mark.parametrize("rows", [12, 13, 14, 15, 16, 33, 80, 1030])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
                                                             dtype: torch.dtype) -> None:
@@ -214,16 +215,21 @@ def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
 
 def test_which_kernel_a_per_channel_call_takes() -> None:
     # The same bits whichever runs (above), so only this shows which a call takes: AMX's tiles
-    # from 8 rows where the build has them, the packed GEMM from 12 where it has that.
+    # from 8 rows where the build has them, the packed GEMM from 12 where it has that, the
+    # columns from 32 with VNNI (and AMX's tiles first where the process may use them).
     lib = native.library("cpu_int8")
     amx, packed = bool(lib.linear_int8_has_amx()), bool(lib.linear_int8_has_packed())
+    columns = bool(lib.linear_int8_has_columns())
     def kernel(m: int, k: int, g: int, path: int) -> int:
         return lib.linear_int8_kernel(ctypes.c_int64(m), ctypes.c_int64(k), ctypes.c_int64(g),
                                       ctypes.c_int(path))  # restype: int, ctypes' default
     tiles = native.INT8_KERNEL_TILES
-    wide = native.INT8_KERNEL_AMX if amx else native.INT8_KERNEL_PACKED if packed else tiles
-    assert [kernel(m, 2048, 2048, native.INT8_PATH_BEST) for m in (1, 7, 8, 11, 12, 600)] == (
-        [tiles, tiles, wide if amx else tiles, wide if amx else tiles, wide, wide])
+    wide = native.INT8_KERNEL_AMX if amx else native.INT8_KERNEL_PACKED if packed else (
+        native.INT8_KERNEL_COLUMNS if columns else tiles)
+    from_ = 8 if amx else 12 if packed else 32
+    rows = (1, 7, 8, 11, 12, 31, 32, 600)
+    assert [kernel(m, 2048, 2048, native.INT8_PATH_BEST) for m in rows] == [
+        wide if m >= from_ else tiles for m in rows]
     assert kernel(64, 2048, 32, native.INT8_PATH_BEST) == tiles  # groups of 32: the tiles
     assert kernel(64, 2048, 2048, native.INT8_PATH_TILES) == tiles
     assert kernel(64, 2048, 2048, native.INT8_PATH_PORTABLE) == tiles
@@ -299,13 +305,14 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
 
 def test_the_fixed_point_path_takes_the_kernel_further() -> None:
     # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM to 64 rows per channel
-    # (512 on AMX's tiles, every count on the packed AVX2 GEMM) and 32 in groups of 32
-    # (kernels/native.py); other groups and the other paths to 8.
+    # (512 on AMX's tiles, every count on the packed AVX2 GEMM, 1024 on VNNI's columns) and 32
+    # in groups of 32 (kernels/native.py); other groups and the other paths to 8.
     lib = native.library("cpu_int8")
     fixed = bool(lib.linear_int8_has_fixed())
     assert native.linear_int8_max_rows(0) == (
         512 if lib.linear_int8_has_amx() else native.LINEAR_INT8_MAX_ROWS_PACKED
-        if lib.linear_int8_has_packed() else 64 if fixed else 8)
+        if lib.linear_int8_has_packed() else 1024 if lib.linear_int8_has_columns()
+        else 64 if fixed else 8)
     assert native.linear_int8_max_rows(32) == (32 if fixed else 8)
     assert native.linear_int8_max_rows(16) == 8
 
