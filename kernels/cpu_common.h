@@ -43,6 +43,30 @@ INLINE void prefetch_stream(const void *p) {
     __builtin_prefetch((const char *)p + STREAM_AHEAD, 0, 2);
 }
 
+/* The columns kernels (cpu_linear.c's for bf16, cpu_int8.c's for int8): x rows of 16-bit
+ * values (`stride` apart) m0 .. m0 + P as pairs of inputs 0 .. 2 * pairs, `lanes` a step (16
+ * rows a vector): xp[j * lanes + l] = x[m0 + l][2j .. 2j + 1], zero for the lanes past P. */
+INLINE void columns_pack(const uint16_t *x, int64_t stride, int64_t pairs, int64_t m0, int P,
+                         int lanes, uint32_t *xp) {
+    for (int l = 0; l < lanes; l++)
+        for (int64_t j = 0; j < pairs; j++) {
+            uint32_t pair = 0;
+            if (l < P)
+                memcpy(&pair, x + (m0 + l) * stride + 2 * j, sizeof pair);
+            xp[j * lanes + l] = pair;
+        }
+}
+
+/* The columns take M rows in passes of at most COLUMNS_VECTORS vectors of 16 rows, the vectors
+ * spread evenly over the passes (the first ones one more where they do not divide): the x
+ * vectors of pass i. From 32 rows every pass has 2 vectors or more (160 rows: 64, 48, 48). */
+#define COLUMNS_VECTORS 4
+INLINE int64_t columns_pass_vectors(int64_t M, int64_t i) {
+    const int64_t vectors = (M + 15) / 16;
+    const int64_t passes = (vectors + COLUMNS_VECTORS - 1) / COLUMNS_VECTORS;
+    return vectors / passes + (i < vectors % passes);
+}
+
 /* A bf16 value as float32 (exact: a shift). */
 INLINE float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;

@@ -798,18 +798,17 @@ static void linear_packed(const int16_t *xq, const float *xs, const int8_t *q,
  * columns do for bf16. x's int16 rows are packed as pairs of inputs, 16 rows a vector
  * ([kv / 2][rows] 32-bit lanes), each weight row's pair of inputs (sign-extended) is broadcast
  * to every lane, and vpdpwssd adds the pair's two products into one int32 lane an x row. A tile
- * takes Pv vectors (up to 64 x rows) by R weight rows (Pv * R = 24 accumulators) and reads its
+ * takes Pv vectors (32 to 64 x rows) by R weight rows (Pv * R = 24 accumulators) and reads its
  * weight rows once for all of them, with no horizontal sums; every 16 steps it sign-extends the
  * rows' next 32 inputs into `stage`, one contiguous block (the rows are K apart: read in place,
  * a step's bytes of 12 or 24 rows share an L1 set). A lane holds COLUMNS_CHUNK steps (1024
  * products: 1024 * X16_MAX * 128 < 2^31) before it is added into its output's int64 sum, so the
  * sums are exact and the bits are the tiles' (store_channel). On a 2-core Zen 4 EPYC (VNNI, no
- * AMX; the 1B's 8192x2048 and 2048x8192, bf16 rows, best of 7 in turn): 323-369 GOP/s from 32
- * rows, 1.02-1.18x the tiles at 32-1024 rows; against dequantize + torch's bf16 GEMM (the path
+ * AMX; the 1B's 8192x2048 and 2048x8192, bf16 rows, best of 7 in turn): 322-380 GOP/s from 32
+ * rows in two runs, 1.02-1.18x the tiles at 32-1024 rows; against dequantize + torch's bf16 GEMM (the path
  * past the tiles' 64 rows) 1.8x at 128 rows, 1.3x at 256, 1.0-1.1x at 512-1024. Below 32 the
  * tiles (16 rows: 0.87-0.98x). */
 #define COLUMNS_FROM 32
-#define COLUMNS_VECTORS 4 /* x vectors of 16 rows a pass, at most */
 #define COLUMNS_ACC 24    /* accumulators a tile: Pv * R */
 #define COLUMNS_CHUNK 512 /* steps (pairs of inputs) a lane may add before its int64 sum */
 
@@ -818,21 +817,6 @@ static void linear_packed(const int16_t *xq, const float *xs, const int8_t *q,
  * to the stack (as it did for linear_packed's step). */
 INLINE void dpwssd_step(__m512i *acc, __m512i x, __m512i b) {
     __asm__("vpdpwssd %[b], %[x], %[a]" : [a] "+v"(*acc) : [x] "v"(x), [b] "v"(b));
-}
-
-/* x rows m0 .. m0 + P (int16, Kp apart) as pairs of inputs 0 .. kv, `lanes` a step: xp[j *
- * lanes + l] = xq[m0 + l][2j .. 2j + 1], zero for the lanes past P. */
-static void columns_pack(const int16_t *xq, int64_t Kp, int64_t kv, int64_t m0, int P,
-                         int lanes, uint32_t *xp) {
-    for (int l = 0; l < lanes; l++) {
-        const int16_t *row = xq + (m0 + l) * Kp;
-        for (int64_t j = 0; j < kv / 2; j++) {
-            uint32_t pair = 0;
-            if (l < P)
-                memcpy(&pair, row + 2 * j, sizeof pair);
-            xp[j * lanes + l] = pair;
-        }
-    }
 }
 
 /* Outputs n0 .. n0 + R of the x rows m0 .. m0 + P, packed in xp (Pv vectors), stored. Pv and R
@@ -905,26 +889,24 @@ INLINE void columns_tile(const uint32_t *xp, const int16_t *xq, const float *xs,
             columns_tile(xp, xq, xs, q, scale, bias, y, y_bf16, N, K, Kp, kv, m0, P, n, PV, 1); \
     }
 
-/* y for the M int16 x rows xq (Kp apart) by per-channel weights, in passes of up to
- * COLUMNS_VECTORS * 16 rows, their vectors spread evenly (80 rows: 48 and 32). */
+/* y for the M int16 x rows xq (Kp apart) by per-channel weights, in passes of 2 to
+ * COLUMNS_VECTORS vectors of 16 rows (columns_pass_vectors). */
 static void linear_columns(const int16_t *xq, const float *xs, const int8_t *q,
                            const float *scale, const float *bias, void *y, int y_bf16,
                            int64_t M, int64_t N, int64_t K, int64_t Kp, int num_threads) {
     const int64_t kv = K - K % 32;
-    const int64_t vectors = (M + 15) / 16;
-    const int64_t passes = (vectors + COLUMNS_VECTORS - 1) / COLUMNS_VECTORS;
-    const int64_t pass_rows = 16 * ((vectors + passes - 1) / passes);
-    uint32_t *xp = malloc((size_t)(kv / 2 + 1) * pass_rows * sizeof *xp);
-    for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
-        const int P = (int)(M - m0 < pass_rows ? M - m0 : pass_rows);
-        const int Pv = (P + 15) / 16;
-        columns_pack(xq, Kp, kv, m0, P, 16 * Pv, xp);
+    uint32_t *xp = malloc((size_t)(kv / 2 + 1) * 16 * columns_pass_vectors(M, 0) * sizeof *xp);
+    for (int64_t i = 0, m0 = 0; m0 < M; i++) {
+        const int64_t rows = 16 * columns_pass_vectors(M, i);
+        const int P = (int)(M - m0 < rows ? M - m0 : rows);
+        const int Pv = (P + 15) / 16; /* 2 to 4: M is COLUMNS_FROM or more */
+        columns_pack((const uint16_t *)xq, Kp, kv / 2, m0, P, 16 * Pv, xp);
         switch (Pv) {
-        case 1: COLUMNS_PASS(1) break;
         case 2: COLUMNS_PASS(2) break;
         case 3: COLUMNS_PASS(3) break;
         default: COLUMNS_PASS(4) break;
         }
+        m0 += P;
     }
     free(xp);
 }
@@ -981,8 +963,8 @@ INLINE void linear_fixed(const float *x, const int8_t *q, const float *scale, co
 #endif
 
 /* linear_int8's `path`: the build's fastest (0), or forced to the portable path, or for
- * per-channel scales to the fixed-point tiles where the build would take AMX's tiles or the
- * packed GEMM (for tests). */
+ * per-channel scales to the fixed-point tiles where the build would take AMX's tiles, the
+ * packed GEMM or the columns (for tests). */
 enum { PATH_BEST, PATH_PORTABLE, PATH_TILES };
 
 /* Which kernel linear_int8 runs for M rows (at most CALL_ROWS: more go a chunk at a time, each

@@ -380,7 +380,7 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
 /* bf16 rows by bf16 weights from COLUMNS_FROM rows, outside the batch-invariant mode: the
  * outputs as lanes. x's rows are packed as pairs of inputs, 16 rows a vector ([K / 2][rows][2]
  * 32-bit lanes), and each weight row's pair of inputs is broadcast to every lane, so one
- * vdpbf16ps adds a pair's products for 16 x rows of one output. A tile takes Pv vectors (16 to
+ * vdpbf16ps adds a pair's products for 16 x rows of one output. A tile takes Pv vectors (32 to
  * 64 x rows) by R weight rows (Pv * R = 24 accumulators, R broadcasts a step), and reads its
  * weight rows once for all those rows, in one pass over K: no horizontal sums at the end, and
  * the x pairs and the weights' 4 bytes a step come from L1 and L2 at a fraction of the dot
@@ -388,7 +388,7 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
  *
  * On a 2-core Zen 4 EPYC (AVX512-BF16, 452 GFLOP/s of vdpbf16ps on both cores), the dot tiles
  * ran Llama-3.2-1B's matrices at 54% of one core's peak on one thread, weights in L2 or not;
- * this ran them at 380-410 GFLOP/s on both from 48 rows (1.1-1.4x the tiles at 32-96 rows,
+ * this ran them at 330-390 GFLOP/s on both from 32 rows (1.0-1.4x the tiles at 32-256 rows,
  * best of 9 in turn; torch's GEMM 1.0-1.4x slower to 96 rows, faster from 128). Below 32 rows
  * its vectors are part-filled or its broadcasts too many: 16 rows 0.84-1.0x the tiles, 24 rows
  * 0.83-0.88x.
@@ -397,24 +397,7 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
  * row), but not in the dot tiles' order (16 lanes over K, then a tree): the batch-invariant
  * mode keeps the tiles at every row count (linear_fixed). */
 #define COLUMNS_FROM 32
-#define COLUMNS_VECTORS 4 /* x vectors of 16 rows a pass, at most */
 #define COLUMNS_ACC 24    /* accumulators a tile: Pv * R */
-
-/* x rows m0 .. m0 + P as pairs of inputs, `lanes` (16 * Pv) a step: xp[j * lanes + l] = x[m0 +
- * l][2j .. 2j + 1], zero for the lanes past P. */
-static void columns_pack(const uint16_t *xh, int64_t K, int64_t m0, int P, int lanes,
-                         uint32_t *xp) {
-    const int64_t pairs = K / 2;
-    for (int l = 0; l < lanes; l++) {
-        const uint16_t *row = xh + (m0 + l) * K;
-        for (int64_t j = 0; j < pairs; j++) {
-            uint32_t pair = 0;
-            if (l < P)
-                memcpy(&pair, row + 2 * j, sizeof pair);
-            xp[j * lanes + l] = pair;
-        }
-    }
-}
 
 /* Outputs n0 .. n0 + R of the x rows m0 .. m0 + P, packed in xp (Pv vectors). The weight rows
  * are K * 2 bytes apart, a multiple of 4 KiB for most models: their bytes of one step share an
@@ -482,24 +465,22 @@ INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t 
             columns_tile(xp, xh, w, bias, y, y_bf16, N, K, m0, P, n, PV, 1);                  \
     }
 
-/* y for the M bf16 x rows xh ([M, K]) by N bf16 weight rows, in passes of up to
- * COLUMNS_VECTORS * 16 rows, their vectors spread evenly (80 rows: 48 and 32). */
+/* y for the M bf16 x rows xh ([M, K]) by N bf16 weight rows, in passes of 2 to
+ * COLUMNS_VECTORS vectors of 16 rows (columns_pass_vectors). */
 static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *bias, void *y,
                            int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
-    const int64_t vectors = (M + 15) / 16;
-    const int64_t passes = (vectors + COLUMNS_VECTORS - 1) / COLUMNS_VECTORS;
-    const int64_t pass_rows = 16 * ((vectors + passes - 1) / passes);
-    uint32_t *xp = malloc((size_t)(K / 2 + 1) * pass_rows * sizeof *xp);
-    for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
-        const int P = (int)(M - m0 < pass_rows ? M - m0 : pass_rows);
-        const int Pv = (P + 15) / 16;
-        columns_pack(xh, K, m0, P, 16 * Pv, xp);
+    uint32_t *xp = malloc((size_t)(K / 2 + 1) * 16 * columns_pass_vectors(M, 0) * sizeof *xp);
+    for (int64_t i = 0, m0 = 0; m0 < M; i++) {
+        const int64_t rows = 16 * columns_pass_vectors(M, i);
+        const int P = (int)(M - m0 < rows ? M - m0 : rows);
+        const int Pv = (P + 15) / 16; /* 2 to 4: M is COLUMNS_FROM or more */
+        columns_pack(xh, K, K / 2, m0, P, 16 * Pv, xp);
         switch (Pv) {
-        case 1: COLUMNS_PASS(1) break;
         case 2: COLUMNS_PASS(2) break;
         case 3: COLUMNS_PASS(3) break;
         default: COLUMNS_PASS(4) break;
         }
+        m0 += P;
     }
     free(xp);
 }
@@ -507,6 +488,8 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
 #else
 #define COLUMNS_FROM 0 /* no columns in this build */
 #endif
+
+int linear_has_amx(void);
 
 /* The linear for M rows; with fixed_order, each output reduced in one order fixed by K alone
  * (the tiles, or AMX's, at every row count: the batch-invariant mode's), else by the fastest
@@ -519,6 +502,12 @@ static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
      * serves only the inputs past the last 2 * VL (32, AMX's step too), and is made only where
      * there are any. */
     const int dot = w_bf16 && x_bf16 && HAS_BF16_DOT; /* no split x: it reads the bf16 x */
+#if HAS_BF16_DOT
+    if (dot && !fixed_order && M >= COLUMNS_FROM && !linear_has_amx()) { /* the bf16 x only */
+        linear_columns(x, w, bias, y, y_bf16, M, N, K, num_threads);
+        return;
+    }
+#endif
     const int split_x = w_bf16 && !dot;
     const int widen = x_bf16 && (!dot || K % (2 * VL));
     float *buffer = NULL;
@@ -535,13 +524,6 @@ static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
 #if HAS_AMX
     if (dot && amx_permitted()) {
         linear_amx(xf, x, w, bias, y, y_bf16, M, N, K, num_threads);
-        free(buffer);
-        return;
-    }
-#endif
-#if HAS_BF16_DOT
-    if (dot && !fixed_order && M >= COLUMNS_FROM) {
-        linear_columns(x, w, bias, y, y_bf16, M, N, K, num_threads);
         free(buffer);
         return;
     }

@@ -344,10 +344,10 @@ def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
 # groups of 32 44.6 against 50.9.
 LINEAR_INT8_MAX_ROWS = 8
 # linear_int8's `path` (cpu_int8.c): the build's fastest, the portable one, the fixed-point
-# tiles (not AMX's or the packed GEMM); and the kernel linear_int8_kernel says a call takes
+# tiles (not AMX's, the packed GEMM or the columns); and the kernel linear_int8_kernel says a
+# call takes
 INT8_PATH_BEST, INT8_PATH_PORTABLE, INT8_PATH_TILES = 0, 1, 2
 INT8_KERNEL_TILES, INT8_KERNEL_AMX, INT8_KERNEL_PACKED, INT8_KERNEL_COLUMNS = 0, 1, 2, 3
-LINEAR_INT8_MAX_ROWS_FIXED = 64
 LINEAR_INT8_MAX_ROWS_FIXED_GROUPS = 32
 # Per channel on AMX's int8 tiles (a 2-core Xeon with AMX, 2026-12-06, bf16 rows, the 1B's four
 # matrices, ms for all four): 15.2 against dequantize + GEMM's 51.2 at 64 rows, 29.7 against
@@ -371,13 +371,12 @@ LINEAR_INT8_MAX_ROWS_COLUMNS = 1024
 @cache
 def linear_int8_max_rows(group: int) -> int:
     """The most rows ``linear_int8`` runs in the C kernel for weights with a scale per
-    ``group`` inputs (0: one per output channel): where the kernel has the fixed-point path
-    (VNNI's or AVX2's; asked of the built library, as ``linear_max_rows`` does),
-    ``LINEAR_INT8_MAX_ROWS_FIXED`` per channel and ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` for
-    groups of 32 (Q8_0's), ``LINEAR_INT8_MAX_ROWS_AMX`` per channel where it runs on AMX's
-    tiles, ``LINEAR_INT8_MAX_ROWS_PACKED`` (every row count) where it has the packed AVX2 GEMM,
-    ``LINEAR_INT8_MAX_ROWS_COLUMNS`` where it has VNNI's columns; else
-    ``LINEAR_INT8_MAX_ROWS``."""
+    ``group`` inputs (0: one per output channel), asked of the built library as
+    ``linear_max_rows`` does: per channel ``LINEAR_INT8_MAX_ROWS_AMX`` where it runs on AMX's
+    tiles, ``LINEAR_INT8_MAX_ROWS_PACKED`` (every row count) on the packed AVX2 GEMM,
+    ``LINEAR_INT8_MAX_ROWS_COLUMNS`` on VNNI's columns (the fixed-point path has one of the
+    two); for groups of 32 (Q8_0's) ``LINEAR_INT8_MAX_ROWS_FIXED_GROUPS`` on the fixed-point
+    path; else ``LINEAR_INT8_MAX_ROWS``."""
     lib = library("cpu_int8")
     if group == 0 and lib.linear_int8_has_amx():
         return LINEAR_INT8_MAX_ROWS_AMX
@@ -385,11 +384,8 @@ def linear_int8_max_rows(group: int) -> int:
         return LINEAR_INT8_MAX_ROWS_PACKED
     if group == 0 and lib.linear_int8_has_columns():
         return LINEAR_INT8_MAX_ROWS_COLUMNS
-    if lib.linear_int8_has_fixed():
-        if group == 0:
-            return LINEAR_INT8_MAX_ROWS_FIXED
-        if group == 32:
-            return LINEAR_INT8_MAX_ROWS_FIXED_GROUPS
+    if group == 32 and lib.linear_int8_has_fixed():
+        return LINEAR_INT8_MAX_ROWS_FIXED_GROUPS
     return LINEAR_INT8_MAX_ROWS
 
 
@@ -437,8 +433,8 @@ def linear_int8_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
     Each output is reduced in one order fixed by K and G alone (batch-invariant).
     ``portable`` forces the portable path where the build has the AVX-512 one, ``tiles`` the
-    fixed-point tiles where per-channel weights would take AMX's tiles or the packed GEMM (for
-    tests; the same bits).
+    fixed-point tiles where per-channel weights would take AMX's tiles, the packed GEMM or the
+    columns (for tests; the same bits).
     """
     from kernels import int8
 

@@ -50,7 +50,8 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
     ("qwen2-bias", "float32", None, 3),  # the qkv bias
     ("llama-gqa8-tied", "bfloat16", None, 1),  # a lone request
     ("llama-mha", "bfloat16", 32, native.linear_int8_max_rows(32)),  # Q8_0's groups, most rows
-    # per channel, most rows (the packed GEMM has no limit: 80, past its 12)
+    # per channel, most rows (the packed GEMM has no limit, the columns 1024: 80, past their
+    # 12 and 32)
     ("llama-mha", "float32", None, PER_CHANNEL_ROWS if PER_CHANNEL_ROWS <= 512 else 80),
 ])
 def test_one_call_decode_matches_layer_by_layer(tiny_models: dict[str, Path], name: str,

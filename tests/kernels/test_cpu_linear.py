@@ -34,8 +34,8 @@ def test_linear_matches_the_exact_product(rows: int, n: int, k: int, dtype: torc
                                           with_bias: bool, kernel: str) -> None:
     # The tiles: a lone row's stream; 2 and 3 rows in 2-row tiles; 7, 8, 9 and 40 in 4-row tiles
     # and what is left, 7 in one of each kind, 72 in a chunk of 64 rows and one of 8; on AMX, 20
-    # rows in x tiles of 16 and 4, 40 in a pass of 32 and one of 8. The columns: 33 rows in two
-    # vectors (31 lanes empty), 40 in three, 72 in passes of 48 and 24, 100 of 64 and 36; N past
+    # rows in x tiles of 16 and 4, 40 in a pass of 32 and one of 8. The columns: 33 rows in three
+    # vectors (15 lanes empty), 40 in three, 72 in passes of 48 and 24, 100 of 64 and 36; N past
     # the last whole tile (n = 1001, 66: 24 accumulators by 2, 3 or 4 vectors), K odd (13, 1539).
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen).to(dtype)
@@ -113,6 +113,8 @@ def test_many_bf16_rows_take_the_columns(n: int, k: int) -> None:
     assert torch.equal(small(slice(0, COLUMNS_FROM)), batch[:COLUMNS_FROM])
     assert torch.equal(small(slice(37, 37 + COLUMNS_FROM)), batch[37:37 + COLUMNS_FROM])
     assert torch.equal(small(slice(50, 100)), batch[50:])  # 50 rows: 4 vectors, 14 lanes empty
+    many = torch.cat([x, x.flip(0)[:60]])  # 160 rows: passes of 64, 48 and 48
+    assert torch.equal(_float32_sums("linear_small", many, weight)[100:], batch.flip(0)[:60])
     fewer = slice(0, COLUMNS_FROM - 1)
     assert torch.equal(small(fewer), _float32_sums("linear_fixed", x[fewer], weight))
     assert not torch.equal(batch, _float32_sums("linear_fixed", x, weight))  # orders differ

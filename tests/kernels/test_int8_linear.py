@@ -194,10 +194,10 @@ def test_per_channel_fixed_point_sums_exactly_and_rounds_once(
                        _fixed_point_product(x, q, scale, bias))
 
 
-# 12-16: the packed GEMM's last tile of 5 x rows 2, 3, 4, none and 1 rows; 33 and 80: the
-# columns' vectors part-filled, and in passes of 48 and 32; 1030: past the 1024 rows a call
-# takes at once
-@pytest.mark.parametrize("rows", [12, 13, 14, 15, 16, 33, 80, 1030])
+# 12-16: the packed GEMM's last tile of 5 x rows 2, 3, 4, none and 1 rows; 33, 80 and 200: the
+# columns' vectors part-filled, in passes of 48 and 32, and of 64, 48, 48 and 40; 1030: past
+# the 1024 rows a call takes at once
+@pytest.mark.parametrize("rows", [12, 13, 14, 15, 16, 33, 80, 200, 1030])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_per_channel_rows_in_any_tile_and_chunk_sum_exactly(rows: int,
                                                             dtype: torch.dtype) -> None:
@@ -282,8 +282,8 @@ def test_fixed_point_path_is_closer_than_the_weights_rounding(group: int | None)
     assert got_error <= ref_error * 1.01
 
 
-# past linear_int8_max_rows (8; with the fixed-point path 64 per channel, 512 on AMX, every
-# count on the packed AVX2 GEMM, 32 in groups of 32): dequantize + GEMM
+# past linear_int8_max_rows (8; per channel 512 on AMX, every count on the packed AVX2 GEMM,
+# 1024 on VNNI's columns; 32 in groups of 32 on the fixed-point path): dequantize + GEMM
 @pytest.mark.parametrize("rows", [1, 8, 9, 32, 33, 40, 64, 65, 513])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
@@ -304,15 +304,16 @@ def test_cpu_dispatch_matches_the_reference(rows: int, dtype: torch.dtype,
 
 
 def test_the_fixed_point_path_takes_the_kernel_further() -> None:
-    # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM to 64 rows per channel
-    # (512 on AMX's tiles, every count on the packed AVX2 GEMM, 1024 on VNNI's columns) and 32
-    # in groups of 32 (kernels/native.py); other groups and the other paths to 8.
+    # The fixed-point path (VNNI's or AVX2's) beats dequantize + GEMM per channel to 512 rows on
+    # AMX's tiles, every count on the packed AVX2 GEMM, 1024 on VNNI's columns (it has one of
+    # the two), and to 32 in groups of 32 (kernels/native.py); other groups and the other paths
+    # to 8.
     lib = native.library("cpu_int8")
     fixed = bool(lib.linear_int8_has_fixed())
+    assert fixed == bool(lib.linear_int8_has_packed() or lib.linear_int8_has_columns())
     assert native.linear_int8_max_rows(0) == (
         512 if lib.linear_int8_has_amx() else native.LINEAR_INT8_MAX_ROWS_PACKED
-        if lib.linear_int8_has_packed() else 1024 if lib.linear_int8_has_columns()
-        else 64 if fixed else 8)
+        if lib.linear_int8_has_packed() else 1024 if lib.linear_int8_has_columns() else 8)
     assert native.linear_int8_max_rows(32) == (32 if fixed else 8)
     assert native.linear_int8_max_rows(16) == 8
 
