@@ -67,6 +67,23 @@ INLINE int64_t columns_pass_vectors(int64_t M, int64_t i) {
     return vectors / passes + (i < vectors % passes);
 }
 
+/* The columns' passes over M rows (M at least 32: every pass 2 to 4 vectors): for each, its
+ * first row m0 and rows P, PACK (a statement: pack those rows, 16 * Pv lanes) and then the
+ * including file's COLUMNS_PASS(Pv), which runs the pass's tiles. */
+#define COLUMNS_PASSES(M, PACK)                                                               \
+    for (int64_t i = 0, m0 = 0; m0 < (M); i++) {                                              \
+        const int64_t rows = 16 * columns_pass_vectors((M), i);                               \
+        const int P = (int)((M) - m0 < rows ? (M) - m0 : rows);                               \
+        const int Pv = (P + 15) / 16;                                                         \
+        PACK;                                                                                 \
+        switch (Pv) {                                                                         \
+        case 2: COLUMNS_PASS(2) break;                                                        \
+        case 3: COLUMNS_PASS(3) break;                                                        \
+        default: COLUMNS_PASS(4) break;                                                       \
+        }                                                                                     \
+        m0 += P;                                                                              \
+    }
+
 /* A bf16 value as float32 (exact: a shift). */
 INLINE float bf16_to_f32(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;

@@ -470,18 +470,7 @@ INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t 
 static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *bias, void *y,
                            int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     uint32_t *xp = malloc((size_t)(K / 2 + 1) * 16 * columns_pass_vectors(M, 0) * sizeof *xp);
-    for (int64_t i = 0, m0 = 0; m0 < M; i++) {
-        const int64_t rows = 16 * columns_pass_vectors(M, i);
-        const int P = (int)(M - m0 < rows ? M - m0 : rows);
-        const int Pv = (P + 15) / 16; /* 2 to 4: M is COLUMNS_FROM or more */
-        columns_pack(xh, K, K / 2, m0, P, 16 * Pv, xp);
-        switch (Pv) {
-        case 2: COLUMNS_PASS(2) break;
-        case 3: COLUMNS_PASS(3) break;
-        default: COLUMNS_PASS(4) break;
-        }
-        m0 += P;
-    }
+    COLUMNS_PASSES(M, columns_pack(xh, K, K / 2, m0, P, 16 * Pv, xp))
     free(xp);
 }
 #undef COLUMNS_PASS
