@@ -895,7 +895,8 @@ static void linear_columns(const int16_t *xq, const float *xs, const int8_t *q,
                            const float *scale, const float *bias, void *y, int y_bf16,
                            int64_t M, int64_t N, int64_t K, int64_t Kp, int num_threads) {
     const int64_t kv = K - K % 32;
-    uint32_t *xp = malloc((size_t)(kv / 2 + 1) * 16 * columns_pass_vectors(M, 0) * sizeof *xp);
+    /* room for the widest pass, whatever the split */
+    uint32_t *xp = malloc((size_t)(kv / 2 + 1) * 16 * COLUMNS_VECTORS * sizeof *xp);
     COLUMNS_PASSES(M, columns_pack((const uint16_t *)xq, Kp, kv / 2, m0, P, 16 * Pv, xp))
     free(xp);
 }

@@ -469,7 +469,8 @@ INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t 
  * COLUMNS_VECTORS vectors of 16 rows (columns_pass_vectors). */
 static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *bias, void *y,
                            int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
-    uint32_t *xp = malloc((size_t)(K / 2 + 1) * 16 * columns_pass_vectors(M, 0) * sizeof *xp);
+    /* room for the widest pass, whatever the split */
+    uint32_t *xp = malloc((size_t)(K / 2 + 1) * 16 * COLUMNS_VECTORS * sizeof *xp);
     COLUMNS_PASSES(M, columns_pack(xh, K, K / 2, m0, P, 16 * Pv, xp))
     free(xp);
 }
