@@ -35,6 +35,7 @@
  */
 #include "cpu_common.h"
 #include "cpu_amx.h"
+#include "cpu_avx2.h"
 
 #include <stdlib.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -668,25 +669,6 @@ static void linear_amx_int8(const int16_t *xq, const float *xs, const int8_t *q,
 #define PK_M 5            /* x rows a tile: 10 accumulators, 2 weight vectors, 2 products */
 #define PK_K_CHUNK 1024   /* inputs a lane's int32 sum may hold */
 #define PACKED_FROM 12 /* below it the tiles (one pass over the weights, no packing) win */
-
-/* 8 vectors of 8 int32 (rows) transposed in place: r[j] lane i becomes r[i] lane j. */
-INLINE void transpose8_epi32(__m256i r[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 4; i++) {
-        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int h = 0; h < 2; h++) { /* rows 0-3, then 4-7 */
-        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
-        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
-        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-        r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-    }
-}
 
 /* 16 weight rows from q (K apart), inputs 0 .. kv (whole steps of 16), packed into pk as
  * [kv / 2][16][2] int16: row r's 16 inputs sign-extended are 8 int32 pairs, and 8 rows' of

@@ -5,7 +5,7 @@ source is built with ``-O3 -march=native -fno-trapping-math -fopenmp`` (plus its
 ``$KVBATCH_CACHE_DIR/kernels/`` (default ``~/.cache/kvbatch``), named by a hash of the source,
 the flags, the compiler and the CPU's feature flags, so that a cache shared between different
 machines never loads code built for another instruction set (the shared headers,
-``cpu_common.h`` and ``cpu_amx.h``, are part of every key). OpenMP resolves to the
+``cpu_common.h``, ``cpu_amx.h`` and ``cpu_avx2.h``, are part of every key). OpenMP resolves to the
 ``libgomp.so.1`` that torch has already loaded, so the kernels and torch share one thread pool
 runtime. ctypes releases the GIL for the duration of a call. ``bench/profile.py`` names the
 C functions in its profiles (``labelled_for_profiler``).
@@ -137,6 +137,12 @@ LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 24}
 # 292.7 against 800.1 at 16, 602.5 against 1120.1 at 32, 919.3 against 1294.9 at 64. Not measured
 # on a Xeon.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
+# float32 and bf16 weights where the kernel has AVX2's packed GEMM (cpu_linear.c's linear_packed,
+# from 24 rows; a 2-core AVX2 Zen 3 EPYC, 2026-12-07, the 1B's four matrices, 2 threads, against
+# torch's GEMM as ``linear`` ran it past the old limits): bf16 1.2-1.7x at 24-128 rows, 1.30x at
+# 512, 1.07x at a prefill's 1,574; float32 (against F.linear) 1.4-2.1x at 24-128, 1.07x at 512.
+# It won at every row count, so it takes them all.
+LINEAR_MAX_ROWS_PACKED = 1 << 62
 LINEAR_MAX_ROWS_BF16_DOT = 96
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32
@@ -212,8 +218,11 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     cannot disagree); ``LINEAR_MAX_ROWS_BF16_AMX`` where the kernel runs on AMX's tiles
     (built with them, and granted them by the OS), ``LINEAR_MAX_ROWS_BF16_TORCH_AMX`` where
     only torch's bf16 GEMM does (:func:`cpu_has_amx`); for float32
-    ``LINEAR_MAX_ROWS_FLOAT32_AVX2`` where the kernel was built for AVX2 (8 floats a vector)."""
+    ``LINEAR_MAX_ROWS_FLOAT32_AVX2`` where the kernel was built 8 floats a vector; for both,
+    ``LINEAR_MAX_ROWS_PACKED`` (every row count) where it has AVX2's packed GEMM."""
     lib = library("cpu_linear")
+    if dtype in LINEAR_MAX_ROWS and lib.linear_packed_from():
+        return LINEAR_MAX_ROWS_PACKED
     if dtype == torch.float32 and lib.linear_vector_floats() == 8:
         return LINEAR_MAX_ROWS_FLOAT32_AVX2
     if dtype == torch.bfloat16 and lib.linear_has_bf16_dot():

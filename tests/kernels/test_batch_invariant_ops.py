@@ -55,8 +55,9 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype) -> None:
 
 def test_cpu_linear_rows_keep_one_order_where_the_default_changes_it() -> None:
     # bf16 rows of a wide range of magnitudes, so that the order of a sum shows in its bf16
-    # rounding: 64 rows take the columns in the default linear where the build has them, whose
-    # order is not the tiles'. linear_rows must keep the tiles' (a row alone is a lone stream).
+    # rounding: 64 rows take the columns (AVX512-BF16) or the packed GEMM (AVX2) in the default
+    # linear where the build has them, whose orders are not the tiles'. linear_rows must keep the
+    # tiles' (a row alone is a lone stream).
     gen = torch.Generator().manual_seed(11)
     scale = 2.0 ** torch.randint(-12, 12, (64, 576), generator=gen)
     x = (torch.randn(64, 576, generator=gen) * scale).to(torch.bfloat16)
@@ -65,7 +66,8 @@ def test_cpu_linear_rows_keep_one_order_where_the_default_changes_it() -> None:
     for i in (0, 31, 63):
         assert torch.equal(native.linear_rows(x[i : i + 1], w)[0], out[i]), f"row {i} differs"
     lib = native.library("cpu_linear")
-    if lib.linear_columns_from() and not lib.linear_has_amx():  # the data tells the orders apart
+    columns = lib.linear_columns_from() and not lib.linear_has_amx()
+    if columns or lib.linear_packed_from():  # the data tells the orders apart
         assert not torch.equal(native.linear(x, w), out)
 
 

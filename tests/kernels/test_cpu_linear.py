@@ -120,17 +120,63 @@ def test_many_bf16_rows_take_the_columns(n: int, k: int) -> None:
     assert not torch.equal(batch, _float32_sums("linear_fixed", x, weight))  # orders differ
 
 
+PACKED_FROM = native.library("cpu_linear").linear_packed_from()  # 0: none in this build
+
+
 def test_without_the_columns_both_entries_are_the_tiles() -> None:
     # Float32 weights (and bf16 ones where the build has no columns, or AMX takes them) go through
-    # the same kernel from linear_small and linear_fixed at any row count.
+    # the same kernel from linear_small and linear_fixed at any row count below the packed GEMM's.
     gen = torch.Generator().manual_seed(5)
     dtypes = [torch.float32] + ([torch.bfloat16] if COLUMNS_FROM == 0 or native.library(
         "cpu_linear").linear_has_amx() else [])
     for dtype in dtypes:
-        x = torch.randn(72, 576, generator=gen).to(dtype)
+        x = torch.randn(PACKED_FROM - 1 if PACKED_FROM else 72, 576, generator=gen).to(dtype)
         weight = torch.randn(130, 576, generator=gen).to(dtype)
         assert torch.equal(native._linear_c("linear_small", x, weight, None),
                            native.linear_rows(x, weight))
+
+
+def _sums_in_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Each output's products added one after another in K's order, from 0, in float32 (exact
+    products: bf16 values)."""
+    products = x.float()[:, None, :] * weight.float()[None, :, :]  # exact
+    sums = torch.zeros(x.shape[0], weight.shape[0])
+    for k in range(x.shape[1]):
+        sums += products[:, :, k]
+    return sums
+
+
+@pytest.mark.skipif(PACKED_FROM == 0, reason="no packed GEMM in this build (AVX2 only)")
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-x", "bf16-x"])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-w", "bf16-w"])
+def test_many_rows_take_the_packed_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+    # From PACKED_FROM rows linear_small adds each output's products in K's order, one weight
+    # row a lane, PACKED_K inputs packed at a time (K = 517: two runs of 256 and 5 inputs past
+    # the last 8; 37 weight rows: two blocks of 16 and one of 5), PACKED_M x rows a tile (41: six
+    # tiles of 6 and one of 5). Bf16 values, so every product is exact and the sums in that
+    # order are known bit for bit; the outputs in float32, then the same rounded to bf16 with
+    # the bias added.
+    gen = torch.Generator().manual_seed(17)
+    scale = 2.0 ** torch.randint(-10, 10, (41, 517), generator=gen)  # orders show in the sums
+    x = (torch.randn(41, 517, generator=gen) * scale).to(torch.bfloat16).to(x_dtype)
+    weight = torch.randn(37, 517, generator=gen).to(torch.bfloat16).to(w_dtype)
+    bias = torch.randn(37, generator=gen)
+    sums = _sums_in_order(x, weight)
+    for rows in (slice(0, 41), slice(0, PACKED_FROM), slice(13, 13 + PACKED_FROM)):
+        out = native._linear_c("linear_small", x[rows].float(), weight, None)
+        assert torch.equal(out, sums[rows])
+    out = native._linear_c("linear_small", x.to(torch.bfloat16), weight, bias)
+    assert torch.equal(out, (sums + bias).to(torch.bfloat16))
+    fewer = x[: PACKED_FROM - 1]  # the tiles: another order
+    assert torch.equal(native._linear_c("linear_small", fewer, weight, None),
+                       native.linear_rows(fewer, weight))
+    assert not torch.equal(native.linear_rows(x.float(), weight), sums)
+
+
+def test_the_build_has_the_packed_gemm_where_the_cpu_has_avx2_alone() -> None:
+    # Otherwise an AVX2 host would test the tiles where users get the packed GEMM.
+    flags = native._cpu_flags().split()
+    assert (PACKED_FROM > 0) == ("avx2" in flags and "fma" in flags and "avx512f" not in flags)
 
 
 def test_bf16_outputs_keep_infinities_and_nans() -> None:
@@ -237,17 +283,19 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
     # dot product only, torch's GEMM on AMX wins past 5 rows, and without AMX the kernel is taken to
     # 96 (a Zen 4 EPYC: on the columns from 32 rows it won to 96, tied from 128). float32 weights
     # take the kernel to 64 rows with AVX-512 (the same EPYC) and to 32 with AVX2; bf16 weights
-    # widened (no dot product) to 24 (an AVX2 Zen 3 EPYC).
+    # widened (no dot product) to 24 (an AVX2 Zen 3 EPYC). With AVX2's packed GEMM, both take it
+    # at every row count (the same Zen 3: it beat torch's GEMM from 24 rows to a prefill's).
     lib = native.library("cpu_linear")  # before the flags change: they key its build
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
     try:
         dot, tiles = bool(lib.linear_has_bf16_dot()), bool(lib.linear_has_amx())
+        every = native.LINEAR_MAX_ROWS_PACKED if PACKED_FROM else None  # AVX2's packed GEMM
         assert native.cpu_has_amx() is amx
-        assert native.linear_max_rows(torch.bfloat16) == (
-            32 if dot and tiles else 5 if dot and amx else 96 if dot else 24)
-        assert native.linear_max_rows(torch.float32) == (
-            32 if lib.linear_vector_floats() == 8 else 64)
+        assert native.linear_max_rows(torch.bfloat16) == (every or (
+            32 if dot and tiles else 5 if dot and amx else 96 if dot else 24))
+        assert native.linear_max_rows(torch.float32) == (every or (
+            32 if lib.linear_vector_floats() == 8 else 64))
     finally:
         native.linear_max_rows.cache_clear()
 
