@@ -480,7 +480,7 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
 #define COLUMNS_FROM 0 /* no columns in this build */
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define HAS_PACKED 1
 /* Many rows on AVX2 (float32 weights, or bf16 widened; x as float32), outside the
  * batch-invariant mode, as a GEMM with the outputs as lanes: a thread takes a block of 16
@@ -537,7 +537,7 @@ INLINE void packed_f32_step(__m256 *lo, __m256 *hi, const float *x, __m256 w0, _
     __asm__("vbroadcastss %[x], %[t]\n\t"
             "vfmadd231ps %[w0], %[t], %[a0]\n\t"
             "vfmadd231ps %[w1], %[t], %[a1]"
-            : [a0] "+x"(*lo), [a1] "+x"(*hi), [t] "=&x"(t)
+            : [a0] "+&x"(*lo), [a1] "+x"(*hi), [t] "=&x"(t) /* a0 written before w1 is read */
             : [x] "m"(*x), [w0] "x"(w0), [w1] "x"(w1));
 }
 
@@ -563,7 +563,7 @@ INLINE void packed_tile(const float *xf, int64_t K, int64_t m0, int64_t k0, int6
 }
 
 /* Weight rows n0 .. n0 + rows by all M x rows, stored: inputs a packed run at a time, the
- * inputs past the last 8 added after (in order, as the lanes add theirs). */
+ * inputs past the last 8 added after (in order and fused, as the lanes add theirs). */
 INLINE void packed_block(const float *xf, const void *w, const float *bias, void *y,
                          int y_bf16, int64_t M, int64_t N, int64_t K, int64_t n0, int rows,
                          float *pk, float *sums, const int bf16) {
@@ -587,7 +587,7 @@ INLINE void packed_block(const float *xf, const void *w, const float *bias, void
         for (int i = 0; i < rows; i++) {
             float s = sums[m * 16 + i];
             for (int64_t k = kv; k < K; k++)
-                s += xf[m * K + k] * w_at(w, (n0 + i) * K + k, bf16);
+                s = __builtin_fmaf(xf[m * K + k], w_at(w, (n0 + i) * K + k, bf16), s);
             store_out(y, y_bf16, m * N + n0 + i, s, bias, n0 + i);
         }
 }
@@ -686,7 +686,8 @@ static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
 }
 
 /* y = x @ w^T (+ bias) for the M rows of x: bf16 rows by bf16 weights from COLUMNS_FROM rows
- * through the columns (where the build has them and AMX does not take them), else the tiles. */
+ * through the columns (where the build has them and AMX does not take them), any rows from
+ * PACKED_FROM through the packed GEMM (AVX2 builds), else the tiles. */
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 0);

@@ -242,9 +242,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """``F.linear(x, weight, bias)`` on the CPU, in ``x``'s dtype, accumulated in float32.
 
     Up to ``linear_max_rows(weight.dtype)`` rows of ``x`` ([M, K], float32 or bf16) go through
-    the C kernel, which reads a float32 or bf16 ``weight`` ([N, K]) once. More rows go to
-    torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic
-    (widened first: exact, and still far faster than torch's bf16 GEMM there).
+    the C kernel, which reads a float32 or bf16 ``weight`` ([N, K]) once (every row count
+    where it has AVX2's packed GEMM). More rows go to torch's GEMM, in float32 when the weight
+    is bf16 and the CPU has no bf16 arithmetic (widened first: exact, and still far faster than
+    torch's bf16 GEMM there).
     """
     if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
             x.dtype in LINEAR_MAX_ROWS):

@@ -24,8 +24,9 @@ KERNELS = {"dispatch": native.linear, "fixed": native.linear_rows,
            "small": lambda x, w, b: native._linear_c("linear_small", x, w, b)}
 
 
-# past linear_max_rows, torch's GEMM: 40 rows with AVX2, 72 with AVX-512 in float32, 100 in bf16
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 33, 40, 72, 100])
+# past linear_max_rows, torch's GEMM: 72 rows with AVX-512 in float32, 100 in bf16 (with AVX2
+# every count takes the packed GEMM from 24: 25 and 26 end on tiles of 1 and 2 rows, 33 of 3)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 25, 26, 33, 40, 72, 100])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
@@ -151,19 +152,22 @@ def _sums_in_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-w", "bf16-w"])
 def test_many_rows_take_the_packed_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
     # From PACKED_FROM rows linear_small adds each output's products in K's order, one weight
-    # row a lane, PACKED_K inputs packed at a time (K = 517: two runs of 256 and 5 inputs past
-    # the last 8; 37 weight rows: two blocks of 16 and one of 5), PACKED_M x rows a tile (41: six
-    # tiles of 6 and one of 5). Bf16 values, so every product is exact and the sums in that
-    # order are known bit for bit; the outputs in float32, then the same rounded to bf16 with
-    # the bias added.
+    # row a lane, PACKED_K inputs packed at a time (K = 605: runs of 256, 256 and 88, and 5
+    # inputs past the last 8; 37 weight rows: two blocks of 16 and one of 5), PACKED_M x rows a
+    # tile (41: six tiles of 6 and one of 5). Bf16 values, so every product is exact and the
+    # sums in that order are known bit for bit; the outputs in float32 (from float32 or bf16
+    # rows), then the same rounded to bf16 with the bias added.
     gen = torch.Generator().manual_seed(17)
-    scale = 2.0 ** torch.randint(-10, 10, (41, 517), generator=gen)  # orders show in the sums
-    x = (torch.randn(41, 517, generator=gen) * scale).to(torch.bfloat16).to(x_dtype)
-    weight = torch.randn(37, 517, generator=gen).to(torch.bfloat16).to(w_dtype)
+    scale = 2.0 ** torch.randint(-10, 10, (41, 605), generator=gen)  # orders show in the sums
+    x = (torch.randn(41, 605, generator=gen) * scale).to(torch.bfloat16).to(x_dtype)
+    weight = torch.randn(37, 605, generator=gen).to(torch.bfloat16).to(w_dtype)
     bias = torch.randn(37, generator=gen)
     sums = _sums_in_order(x, weight)
     for rows in (slice(0, 41), slice(0, PACKED_FROM), slice(13, 13 + PACKED_FROM)):
-        out = native._linear_c("linear_small", x[rows].float(), weight, None)
+        out = torch.empty(rows.stop - rows.start, 37)  # float32 sums of x_dtype rows
+        native.library("cpu_linear").linear_small(
+            x[rows].data_ptr(), int(x_dtype == torch.bfloat16), weight.data_ptr(),
+            int(w_dtype == torch.bfloat16), None, out.data_ptr(), 0, out.shape[0], 37, 605, 2)
         assert torch.equal(out, sums[rows])
     out = native._linear_c("linear_small", x.to(torch.bfloat16), weight, bias)
     assert torch.equal(out, (sums + bias).to(torch.bfloat16))
