@@ -183,17 +183,18 @@ def test_the_build_has_the_packed_gemm_where_the_cpu_has_avx2_alone() -> None:
     assert (PACKED_FROM > 0) == ("avx2" in flags and "fma" in flags and "avx512f" not in flags)
 
 
-def test_bf16_outputs_keep_infinities_and_nans() -> None:
+@pytest.mark.parametrize("rows", [3, 30])  # 30: the packed GEMM on AVX2
+def test_bf16_outputs_keep_infinities_and_nans(rows: int) -> None:
     # A row with an infinite input gives infinities of its weights' signs, one with a NaN NaNs.
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     x[0, 5], x[1, 9] = float("inf"), float("nan")
     weight = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
     outs = _bf16_and_float32_outputs(x, weight, None)
     out = outs[torch.bfloat16].float()
     assert torch.equal(out[0], weight[:, 5].float().sign() * float("inf"))
-    assert out[1].isnan().all() and out[2].isfinite().all()
-    assert torch.equal(out[2], outs[torch.float32][2].to(torch.bfloat16).float())
+    assert out[1].isnan().all() and out[2:].isfinite().all()
+    assert torch.equal(out[2:], outs[torch.float32][2:].to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("k", [64, 1539])
