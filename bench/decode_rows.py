@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
              else native.linear_max_rows(getattr(torch, args.dtype)))
     set_one_call_rows(None)
     print(f"{args.model or args.shape}, {args.dtype}{', int8' if args.quantization else ''}: "
-          f"C rows {'every count' if limit >= 1 << 62 else limit}")  # the packed GEMMs' limit
+          f"C rows {'every count' if limit >= native.EVERY_ROW_COUNT else limit}")
     print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
     print("|---|---|---|---|")
     for rows in args.rows:

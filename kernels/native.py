@@ -137,12 +137,14 @@ LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 24}
 # 292.7 against 800.1 at 16, 602.5 against 1120.1 at 32, 919.3 against 1294.9 at 64. Not measured
 # on a Xeon.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
+# A row limit no step reaches: the packed GEMMs take every row count.
+EVERY_ROW_COUNT = 1 << 62
 # float32 and bf16 weights where the kernel has AVX2's packed GEMM (cpu_linear.c's linear_packed,
 # from 24 rows; a 2-core AVX2 Zen 3 EPYC, 2026-12-07, the 1B's four matrices, 2 threads, against
 # torch's GEMM as ``linear`` ran it past the old limits): bf16 1.2-1.7x at 24-128 rows, 1.30x at
 # 512, 1.07x at a prefill's 1,574; float32 (against F.linear) 1.4-2.1x at 24-128, 1.07x at 512.
 # It won at every row count, so it takes them all.
-LINEAR_MAX_ROWS_PACKED = 1 << 62
+LINEAR_MAX_ROWS_PACKED = EVERY_ROW_COUNT
 LINEAR_MAX_ROWS_BF16_DOT = 96
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32
@@ -370,7 +372,7 @@ LINEAR_INT8_MAX_ROWS_AMX = 512
 # four matrices, GFLOP/s): 144 against dequantize + GEMM's 51 at 64 rows, 114 against 94 at
 # 512, 154 against 92 at 1,574, 143 against 96 at 2,048: past every count measured, so no limit
 # (the C kernel takes x a chunk of 1024 rows at a time).
-LINEAR_INT8_MAX_ROWS_PACKED = 1 << 62
+LINEAR_INT8_MAX_ROWS_PACKED = EVERY_ROW_COUNT
 # Per channel on the columns with VNNI (a 2-core Zen 4 EPYC, 2026-12-07, bf16 rows, the 1B's
 # 8192x2048 and 2048x8192, GOP/s): 334-349 against dequantize + GEMM's 187-193 at 128 rows,
 # 322-344 against 250-256 at 256, 333-342 against 297-312 at 512, 332-336 against 323-337 at

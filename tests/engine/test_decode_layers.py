@@ -51,7 +51,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
 
 # The C linear's most rows: bf16 96 (dot), 32 (AMX tiles), 5 or 24; float32 64 (AVX-512) or 32;
 # both every row count on AVX2's packed GEMM, where these tests run 40 (past its 24).
-BOUNDED = native.linear_max_rows(torch.bfloat16) < native.LINEAR_MAX_ROWS_PACKED
+BOUNDED = native.linear_max_rows(torch.bfloat16) < native.EVERY_ROW_COUNT
 BF16_ROWS = native.linear_max_rows(torch.bfloat16) if BOUNDED else 40
 F32_ROWS = native.linear_max_rows(torch.float32) if BOUNDED else 40
 
