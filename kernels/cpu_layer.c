@@ -87,6 +87,24 @@ void rms_norm(const void *x, void *residual, const void *weight, void *out, int6
     }
 }
 
+/* Qwen3's per-head RMSNorm of q and k, in place: in each of the rows of x (`row_stride` elements
+ * apart), the first num_heads heads of head_dim by q_weight, the next num_kv_heads by k_weight,
+ * each head normalised as rms_norm normalises a row. */
+void head_norms(void *x, int64_t row_stride, const void *q_weight, const void *k_weight,
+                int64_t rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                float eps, int dtype, int num_threads) {
+    const int64_t heads = num_heads + num_kv_heads;
+#pragma omp parallel for PARALLEL_ROWS(rows * heads, head_dim)
+    for (int64_t i = 0; i < rows * heads; i++) {
+        const int64_t h = i % heads;
+        const void *weight = h < num_heads ? q_weight : k_weight;
+        const int64_t base = i / heads * row_stride + h * head_dim;
+#define ROW(DT) rms_norm_row(x, NULL, weight, x, base, head_dim, eps, DT)
+        BY_DTYPE(dtype, ROW)
+#undef ROW
+    }
+}
+
 INLINE void rotary_row(void *x, int64_t base, const void *cos, const void *sin, int64_t t,
                        int64_t heads, int64_t head_dim, int dtype) {
     const int64_t half = head_dim / 2;

@@ -3,22 +3,23 @@
  * ctypes call per op, about 10 microseconds each, ~300 a step) were a third of the step.
  *
  * It chains the very kernels the layer-by-layer path calls, in the same order on the same
- * values, so its output is bit-identical to that path: rms_norm, silu_mul and rotary from
- * cpu_layer.c, linear_small from cpu_linear.c (linear_int8 from cpu_int8.c
- * for int8 projections), reshape_and_cache and paged_decode from
- * cpu_decode.c. They come in as function pointers (`kernels`, in the order of `struct
+ * values, so its output is bit-identical to that path: rms_norm, head_norms, silu_mul and
+ * rotary from cpu_layer.c, linear_small from cpu_linear.c (linear_int8 from cpu_int8.c for int8
+ * projections), reshape_and_cache and paged_decode from cpu_decode.c. They come in as function pointers (`kernels`, in the order of `struct
  * kernels`), since each library is built with its own flags (cpu_layer.c without FMA
  * contraction). The only work done here is what the Python path did with torch between them:
  * the query rows widened to a contiguous float32 [T, H, D], and the attention's float32 output
  * rounded to the model's dtype (to nearest even, as torch rounds).
  *
- * Per layer l, with weights[l * 11 ...] = input norm, qkv weight, qkv bias (float32 or NULL),
+ * Per layer l, with weights[l * 13 ...] = input norm, qkv weight, qkv bias (float32 or NULL),
  * o weight, post-attention norm, gate_up weight, down weight, then the four projections' int8
  * scales (NULL: the projection has weights of the model's dtype, else int8 ones with a float32
- * scale per `group` inputs, 0: per output channel, multiplied by linear_int8 of cpu_int8.c):
+ * scale per `group` inputs, 0: per output channel, multiplied by linear_int8 of cpu_int8.c),
+ * then the per-head q and k norms' weights (Qwen3's; NULL for models without them):
  *
  *     h = rms_norm(x + residual)         (layer 0: rms_norm(residual), the embeddings)
- *     qkv = h @ Wqkv^T (+ b); q, k rotated; k, v written to the layer's cache
+ *     qkv = h @ Wqkv^T (+ b); each head of q, k normed (Qwen3); q, k rotated; k, v written to
+ *     the layer's cache
  *     a = decode(q, cache) in float32, rounded to the dtype
  *     residual += a @ Wo^T; h = rms_norm(residual)
  *     x = silu_mul(h @ Wgu^T) @ Wdown^T
@@ -41,6 +42,8 @@ typedef void (*cache_fn)(const char *, const char *, int64_t, int64_t, char *, c
                          const int64_t *, int64_t, int64_t);
 typedef void (*linear_int8_fn)(const void *, int, const int8_t *, const float *, const float *,
                                void *, int, int64_t, int64_t, int64_t, int64_t, int, int);
+typedef void (*head_norms_fn)(void *, int64_t, const void *, const void *, int64_t, int64_t,
+                              int64_t, int64_t, float, int, int);
 typedef void (*decode_fn)(const float *, const char *, const char *, int, const int32_t *,
                           int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float, float *, float *, const int32_t *, int64_t,
@@ -54,10 +57,11 @@ struct kernels {
     cache_fn cache;
     decode_fn decode;
     linear_int8_fn linear_int8;
+    head_norms_fn head_norms;
 };
 
 enum { W_INPUT_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_QKV_SCALE,
-       W_O_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, W_COUNT };
+       W_O_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, W_Q_NORM, W_K_NORM, W_COUNT };
 
 /* y [rows, n] = x [rows, kdim] @ w[at]^T (+ bias), by the int8 kernel when w has its scales */
 static void project(const struct kernels *k, const void *const *w, int at, int scale_at,
@@ -100,6 +104,9 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
             k->rms_norm(x, residual, w[W_INPUT_NORM], h, rows, hidden, eps, bf16, num_threads);
         project(k, w, W_QKV, W_QKV_SCALE, w[W_QKV_BIAS], h, qkv, bf16, rows, qkv_width, hidden,
                 group, num_threads);
+        if (w[W_Q_NORM]) /* Qwen3: each head of q and of k normed before the rotation */
+            k->head_norms(qkv, qkv_width, w[W_Q_NORM], w[W_K_NORM], rows, num_heads,
+                          num_kv_heads, head_dim, eps, bf16, num_threads);
         k->rotary(qkv, qkv_width, cos, sin, rows, num_heads + num_kv_heads, head_dim, bf16,
                   num_threads);
         k->cache(qkv + q_size * elem, qkv + (q_size + kv_size) * elem, qkv_width * elem,

@@ -63,6 +63,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_layer": (("-ffp-contract=off",), {
         "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _i32, _i32],
         "rotary": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+        "head_norms": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i32, _i32],
         "silu_mul": [_ptr, _ptr, _i64, _i64, _i32, _i32],
         "argmax_rows": [_ptr, _ptr, _i64, _i64, _i32, _i32],
         "mask_rows": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i32],
@@ -91,7 +92,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
 STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
                 ("cpu_layer", "rotary"), ("cpu_layer", "silu_mul"),
                 ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"),
-                ("cpu_int8", "linear_int8"))
+                ("cpu_int8", "linear_int8"), ("cpu_layer", "head_norms"))
 # Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``); past
 # them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU has no bf16
 # arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a step of
@@ -512,6 +513,23 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     )
 
 
+def head_norms_(x: torch.Tensor, num_heads: int, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, eps: float) -> None:
+    """Qwen3's per-head q and k RMSNorm, in place: ``x`` ([T, heads, D], rows may be strided)
+    holds ``num_heads`` query heads, normed by ``q_weight`` ([D]), then key heads, normed by
+    ``k_weight``; each head as :func:`rms_norm` norms a row."""
+    rows, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError("head_norms_ needs contiguous heads")
+    if not all(w.dtype == x.dtype and w.is_contiguous() and w.shape == (head_dim,)
+               for w in (q_weight, k_weight)):
+        raise ValueError(f"head_norms_ needs contiguous [{head_dim}] weights of x's dtype")
+    library("cpu_layer").head_norms(
+        x.data_ptr(), x.stride(0), q_weight.data_ptr(), k_weight.data_ptr(), rows, num_heads,
+        heads - num_heads, head_dim, eps, _dtype_code(x), torch.get_num_threads(),
+    )
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = cat([gate, up], -1)``, rounded as torch rounds."""
     if not gate_up.is_contiguous():
@@ -647,7 +665,8 @@ def reshape_and_cache(
 class LayerWeights:
     """One decoder layer's weights as :class:`DecodeLayers` takes them: the model's own tensors
     (norm weights ``[hidden]``, linear weights ``[out, in]``, the qkv bias ``[q + 2 kv]``); with
-    int8 projections (``kernels.int8``), their float32 scales ``[out, in / G]``."""
+    int8 projections (``kernels.int8``), their float32 scales ``[out, in / G]``; with per-head
+    q and k norms (Qwen3), their weights ``[head_dim]``."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -658,6 +677,7 @@ class LayerWeights:
     down: torch.Tensor
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # qkv, o,
     # gate_up, down
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None = None  # Qwen3's q and k norms, [D]
 
 
 class DecodeLayers:
@@ -712,9 +732,14 @@ class DecodeLayers:
                                  f"{num_heads} heads, {num_kv_heads} KV heads of {head_dim}")
             dtypes = (dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype,
                       dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype)
-            scales = w.scales or ()
+            scales, norms = w.scales or (), w.head_norms or ()
+            if (w.head_norms is None) != (layers[0].head_norms is None) or any(
+                    t.shape != (head_dim,) for t in norms):
+                raise ValueError(f"DecodeLayers needs per-head q/k norms of [{head_dim}] in "
+                                 "every layer or in none")
             if any(t.dtype != d or not t.is_contiguous() or t.device.type != "cpu"
-                   for t, d in zip(tensors, dtypes, strict=True)) or any(
+                   for t, d in zip((*tensors, *norms), (*dtypes, *(dtype,) * len(norms)),
+                                   strict=True)) or any(
                     s.dtype != torch.float32 or not s.is_contiguous() for s in scales):
                 raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype (int8 "
                                  "projections with float32 scales)")
@@ -722,6 +747,7 @@ class DecodeLayers:
                          None if bias is None else bias.data_ptr(), w.o.data_ptr(),
                          w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr()]
             pointers += [s.data_ptr() for s in scales] if scales else [None] * 4
+            pointers += [t.data_ptr() for t in norms] if norms else [None] * 2
         self.num_layers = len(layers)
         self._layers = layers  # what the addresses point into stays alive with them
         self._weights = (ctypes.c_void_p * len(pointers))(*pointers)

@@ -182,8 +182,12 @@ class Attention(nn.Module):
         qkv = _adapted(self.qkv_proj, x, meta.lora)
         qk = qkv[:, : self.qk_size].view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            h = self.num_heads
-            qk = torch.cat([self.q_norm(qk[:, :h])[0], self.k_norm(qk[:, h:])[0]], dim=1)
+            if self.fused:  # in place, the kernel the one-call decode step runs
+                native.head_norms_(qk, self.num_heads, self.q_norm.weight, self.k_norm.weight,
+                                   self.q_norm.eps)
+            else:
+                h = self.num_heads
+                qk = torch.cat([self.q_norm(qk[:, :h])[0], self.k_norm(qk[:, h:])[0]], dim=1)
         # q and k rotated together: one set of elementwise ops for both.
         qk = apply_rotary(qk, rope, self.fused)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -339,9 +343,9 @@ class LlamaForCausalLM(nn.Module):
 
     def one_call_rows(self) -> int:
         """The most rows a decode step may have to run its layers as one C call (0: never):
-        with the fused CPU ops, no per-head q/k norms (Qwen3's), and weights of a dtype the C
-        linear takes, as many rows as it takes."""
-        if not self.fused or self.layers[0].self_attn.q_norm is not None:
+        with the fused CPU ops and weights of a dtype the C linear takes, as many rows as it
+        takes."""
+        if not self.fused:
             return 0
         qkv = self.layers[0].self_attn.qkv_proj
         if qkv.weight_scale is not None:
@@ -369,7 +373,8 @@ class LlamaForCausalLM(nn.Module):
                     layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
                     layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight,
                     layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
-                    layer.mlp.down_proj.weight, _int8_scales(layer)) for layer in self.layers],
+                    layer.mlp.down_proj.weight, _int8_scales(layer), _head_norms(layer))
+                    for layer in self.layers],
                 self.num_heads, self.num_kv_heads, self.head_dim, self.config.rms_norm_eps,
                 self.scale)
         return True
@@ -487,6 +492,13 @@ def _int8_scales(layer: nn.Module
     if qkv is None or o is None or gate_up is None or down is None:
         return None
     return qkv, o, gate_up, down
+
+
+def _head_norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The weights of the layer's per-head q and k norms (Qwen3's), or None."""
+    assert isinstance(layer, DecoderLayer)
+    q, k = layer.self_attn.q_norm, layer.self_attn.k_norm
+    return None if q is None or k is None else (q.weight, k.weight)
 
 
 def _head_dim(config: PretrainedConfig) -> int:

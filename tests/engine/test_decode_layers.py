@@ -73,6 +73,8 @@ def packed_limit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     ("llama-gqa8-tied", "bfloat16", BF16_ROWS, 0),  # as many rows as bf16 takes
     ("llama-gqa8-tied", "float32", F32_ROWS, 0),  # as many rows as float32 takes
     ("mistral-sharded", "bfloat16", 1, 0),  # a lone request
+    ("qwen3-sharded", "float32", 3, 0),  # per-head q/k norms
+    ("qwen3-sharded", "bfloat16", 2, 0),
     # a prefix cheap enough to read per row: no cascade, so one call (not torch's attention)
     ("llama-gqa3-hd10", "float32", 2, 64),
 ])
@@ -98,7 +100,6 @@ def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Pat
 @pytest.mark.parametrize(("model_name", "dtype", "num_prompts", "shared_prefix"), [
     ("llama-gqa8-tied", "bfloat16", BF16_ROWS + 2, 0),  # more rows than bf16 takes
     ("llama-gqa8-tied", "float32", F32_ROWS + 2, 0),  # more rows than float32 takes
-    ("qwen3-sharded", "float32", 2, 0),  # per-head q/k norms
     # a prefix too long to read per row (7 x 160 tokens of KV > a quarter of the weights):
     # cascade, which torch attends
     ("llama-gqa3-hd10", "float32", 8, 160),

@@ -68,6 +68,32 @@ def test_rotary_is_bit_identical_to_transformers(dtype, rows, heads, head_dim) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "head_dim"),
+                         [(1, 2, 1, 8), (7, 16, 8, 128), (300, 4, 2, 24)])
+def test_head_norms_norm_each_query_and_key_head_in_place(dtype, rows, heads, kv_heads,
+                                                          head_dim) -> None:
+    gen = torch.Generator().manual_seed(5)
+    # q and k heads inside the fused qkv projection's output, v's heads after them
+    qkv = (torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen) * 3).to(dtype)
+    q_weight, k_weight = (torch.randn(head_dim, generator=gen).to(dtype) for _ in range(2))
+    q, k, v = (t.clone() for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
+    native.head_norms_(qkv[:, :heads + kv_heads], heads, q_weight, k_weight, 1e-6)
+    _close(qkv[:, :heads], _hf_rms_norm(q, q_weight, 1e-6))  # Qwen3RMSNorm, per head
+    _close(qkv[:, heads:heads + kv_heads], _hf_rms_norm(k, k_weight, 1e-6))
+    assert torch.equal(qkv[:, heads + kv_heads:], v)
+    # each head exactly as rms_norm norms a row (the kernel the model's other norms run)
+    assert torch.equal(qkv[:, :heads], native.rms_norm(q.contiguous(), q_weight, 1e-6))
+    assert torch.equal(qkv[:, heads:heads + kv_heads],
+                       native.rms_norm(k.contiguous(), k_weight, 1e-6))
+
+
+def test_head_norms_refuse_weights_of_another_shape() -> None:
+    qk = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=r"\[8\] weights"):
+        native.head_norms_(qk, 2, torch.ones(8), torch.ones(4), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 2), (9, 1536), (200, 130)])
 def test_silu_mul_matches_transformers(dtype, shape) -> None:
     gen = torch.Generator().manual_seed(3)
