@@ -57,6 +57,7 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     max_shard_size: str | None = None,
     seed: int = 0,
+    random_norms: bool = False,
 ) -> Path:
     """Write a random model of ``model_type`` (llama, mistral, qwen2 or qwen3) and a tokenizer
     to ``path``, as transformers saves it: ``max_shard_size`` (e.g. ``"20KB"``) splits it into
@@ -64,7 +65,8 @@ def make_tiny_model(
     is (e.g. Llama 3.1's ``{"rope_type": "llama3", ...}``).
 
     ``initializer_range`` is larger than the usual 0.02 so that logits are peaked and greedy
-    decoding is not decided by near ties.
+    decoding is not decided by near ties. RMSNorm weights start as ones, which a test cannot
+    tell apart: ``random_norms`` draws them in [0.5, 1.5].
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,10 +94,11 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # RMSNorm weights start as ones: random ones, so that each one counts
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    if random_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.uniform_(0.5, 1.5)
     model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size
                                    else {}))
     return path

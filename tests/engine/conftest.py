@@ -23,9 +23,10 @@ TINY_CONFIGS = {
         hidden_size=64, num_heads=4, num_kv_heads=2, max_shard_size="20KB",
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    # Qwen3: per-head RMSNorm of q and k, head_dim apart from hidden_size / heads.
+    # Qwen3: per-head RMSNorm of q and k (random weights, q's and k's apart), head_dim apart
+    # from hidden_size / heads.
     "qwen3-sharded": dict(model_type="qwen3", hidden_size=64, num_heads=4, num_kv_heads=2,
-                          head_dim=24, max_shard_size="20KB"),
+                          head_dim=24, max_shard_size="20KB", random_norms=True),
     "mistral-sharded": dict(model_type="mistral", hidden_size=64, num_heads=4, num_kv_heads=1,
                             max_shard_size="20KB"),
 }

@@ -49,6 +49,7 @@ def test_cpu_kernels_give_the_torch_reference_paths_tokens(tiny_models: dict[str
 @pytest.mark.parametrize(("name", "dtype", "group", "num_prompts"), [
     ("qwen2-bias", "float32", None, 3),  # the qkv bias
     ("llama-gqa8-tied", "bfloat16", None, 1),  # a lone request
+    ("qwen3-sharded", "bfloat16", 32, 2),  # per-head q/k norms
     ("llama-mha", "bfloat16", 32, native.linear_int8_max_rows(32)),  # Q8_0's groups, most rows
     # per channel, most rows (the packed GEMM has no limit, the columns 1024: 80, past their
     # 12 and 32)
