@@ -18,9 +18,10 @@ from bench.shapes import SHAPES, weight_shapes, write_random_model
 def test_the_shapes_have_the_published_parameter_counts() -> None:
     counts = {name: sum(math.prod(s) for s in weight_shapes(config).values())
               for name, config in SHAPES.items()}
-    # Llama 3.2 1B and 3B's model cards (tied embeddings); Qwen3-1.7B's "1.7B" (1.72B in all).
-    assert counts == {"llama-3.2-1b": 1_235_814_400, "qwen3-1.7b": 1_720_574_976,
-                      "llama-3.2-3b": 3_212_749_824}
+    # Llama 3.2 1B and 3B's model cards (tied embeddings); Qwen3-1.7B's "1.7B" (1.72B in all),
+    # Qwen3-0.6B's "0.6B" (0.44B past the embeddings).
+    assert counts == {"llama-3.2-1b": 1_235_814_400, "qwen3-0.6b": 596_049_920,
+                      "qwen3-1.7b": 1_720_574_976, "llama-3.2-3b": 3_212_749_824}
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
