@@ -74,9 +74,14 @@ def gguf_of(model_dir: Path, llama_cpp: Path, quantization: str | None) -> Path:
     out = model_dir / f"model-{outtype}.gguf"
     if not out.is_file():
         env = {**os.environ, "PYTHONPATH": str(llama_cpp / "gguf-py")}
-        subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(model_dir),
-                        "--outtype", outtype, "--outfile", str(out)], check=True, env=env,
-                       stdout=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"),
+                               str(model_dir), "--outtype", outtype, "--outfile", str(out)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
+        if done.returncode != 0:  # e.g. an architecture newer than this llama.cpp
+            errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+            raise RuntimeError(f"{llama_cpp}'s convert_hf_to_gguf.py failed: "
+                               + (errors or done.stderr.splitlines() or ["no output"])[-1])
     return out
 
 
@@ -142,8 +147,11 @@ def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> lis
                     llama_server=None, gguf=None, slots=128, slot_ctx=512,
                     threads=args.threads, seed=args.seed, out=str(args.out))
     if args.llama_cpp:
-        sub.llama_server = str(args.llama_cpp / "build" / "bin" / "llama-server")
-        sub.gguf = str(gguf_of(model_dir, args.llama_cpp, args.quantization))
+        try:
+            sub.gguf = str(gguf_of(model_dir, args.llama_cpp, args.quantization))
+            sub.llama_server = str(args.llama_cpp / "build" / "bin" / "llama-server")
+        except RuntimeError as exc:  # kvbatch's figures still come
+            say(f"- llama.cpp: not run ({exc})")
     if args.concurrency:
         runs, per_token = peer.compare(sub)
         for n in args.concurrency:

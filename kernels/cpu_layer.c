@@ -1,5 +1,5 @@
-/* Fused elementwise ops of a decoder layer for the CPU: residual add + RMSNorm, rotary
- * embedding in place, SiLU(gate) * up.
+/* Fused elementwise ops of a decoder layer for the CPU: residual add + RMSNorm, Qwen3's
+ * per-head q/k RMSNorm in place, rotary embedding in place, SiLU(gate) * up.
  *
  * Built and loaded by kernels/native.py like cpu_decode.c, but with -ffp-contract=off: each
  * op rounds exactly where Hugging Face transformers' eager ops round (every product and sum

@@ -12,9 +12,9 @@ C functions in its profiles (``labelled_for_profiler``).
 
 - ``cpu_decode.c``: paged decode attention (``paged_decode``) and the cache write
   (``reshape_and_cache``).
-- ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``rotary_``,
-  ``silu_mul``), rounding where transformers' eager ops round, built without FMA contraction;
-  and the row ``argmax`` of greedy sampling.
+- ``cpu_layer.c``: a decoder layer's fused elementwise ops (``rms_norm``, ``head_norms_``,
+  ``rotary_``, ``silu_mul``), rounding where transformers' eager ops round, built without FMA
+  contraction; and the row ``argmax`` of greedy sampling.
 - ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
   weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
   AVX512-BF16, when x is bf16 too).
@@ -519,6 +519,8 @@ def head_norms_(x: torch.Tensor, num_heads: int, q_weight: torch.Tensor,
     holds ``num_heads`` query heads, normed by ``q_weight`` ([D]), then key heads, normed by
     ``k_weight``; each head as :func:`rms_norm` norms a row."""
     rows, heads, head_dim = x.shape
+    if not 0 <= num_heads <= heads:
+        raise ValueError(f"head_norms_: {num_heads} query heads of {heads}")
     if x.stride(2) != 1 or x.stride(1) != head_dim:
         raise ValueError("head_norms_ needs contiguous heads")
     if not all(w.dtype == x.dtype and w.is_contiguous() and w.shape == (head_dim,)

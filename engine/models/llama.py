@@ -1,20 +1,21 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, RoPE tables
-from transformers' own init functions) so that greedy outputs match it token for token. With a
+Numerics follow Hugging Face transformers' implementation (RMSNorm in float32, RoPE tables from
+transformers' own init functions) so that greedy outputs match it token for token. With a
 ``fused`` backend (the CPU one), the elementwise work between the matmuls (residual add +
-RMSNorm, RoPE, SiLU * up) runs in fused C kernels (``kernels/cpu_layer.c``) that round where
-transformers' eager ops round; elsewhere it runs as those torch ops. Its linear layers call the
-backend's ``linear``: on the CPU ``kernels.native.linear``, a C kernel for the few rows of a
-decode step (the weights read once, bf16 ones widened as read or multiplied as pairs), torch's
-GEMM for more; and a decode step of that few rows runs all its layers in one C call
-(``kernels.native.DecodeLayers``), the same kernels in the same order. In the batch-invariant
-mode the backend's linear and attention reduce each row in one order whatever the batch
-(``kernels.batch_invariant``). With ``quantization="int8"`` the attention and MLP projections
-hold int8 weights with float32 scales (``kernels.int8``), quantized as the checkpoint loads,
-and call the backend's ``linear_int8`` (the C kernel on the CPU, Triton on CUDA); so does the
-lm_head (with tied embeddings, an int8 copy of the table: the lookup keeps the model's dtype);
-embeddings and norms stay in the model's dtype.
+RMSNorm, Qwen3's per-head q/k RMSNorm, RoPE, SiLU * up) runs in fused C kernels
+(``kernels/cpu_layer.c``) that round where transformers' eager ops round; elsewhere it runs as
+those torch ops. Its linear layers call the backend's ``linear``: on the CPU
+``kernels.native.linear``, a C kernel for the few rows of a decode step (the weights read once,
+bf16 ones widened as read or multiplied as pairs), torch's GEMM for more; and a decode step of
+that few rows runs all its layers in one C call (``kernels.native.DecodeLayers``), the same
+kernels in the same order. In the batch-invariant mode the backend's linear and attention
+reduce each row in one order whatever the batch (``kernels.batch_invariant``). With
+``quantization="int8"`` the attention and MLP projections hold int8 weights with float32 scales
+(``kernels.int8``), quantized as the checkpoint loads, and call the backend's ``linear_int8``
+(the C kernel on the CPU, Triton on CUDA); so does the lm_head (with tied embeddings, an int8
+copy of the table: the lookup keeps the model's dtype); embeddings and norms stay in the
+model's dtype.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class Attention(nn.Module):
         # Qwen3 normalizes each head of q and k (RMSNorm over head_dim) before RoPE.
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.model_type == "qwen3":
+        if config.model_type == "qwen3":  # a fused backend runs native.head_norms_ on these
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused=False)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused=False)
 

@@ -60,9 +60,17 @@ def test_a_small_shape_loads_in_both_to_the_same_tokens(tmp_path: Path, model_ty
 
 def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys: pytest.CaptureFixture[str]) -> None:
-    """bench/realsize.py end to end without llama.cpp: load, lone request, kvbatch at 2
-    requests and against transformers, each line with its figures."""
+    """bench/realsize.py end to end without llama.cpp (given one whose converter refuses the
+    model): load, lone request, kvbatch at 2 requests and against transformers, each line with
+    its figures."""
     from bench import realsize, shapes
+
+    llama_cpp = tmp_path / "llama.cpp"  # a converter too old for the architecture
+    llama_cpp.mkdir()
+    (llama_cpp / "convert_hf_to_gguf.py").write_text(
+        "import sys\nprint('INFO:hf-to-gguf:Loading model', file=sys.stderr)\n"
+        "print('ERROR:hf-to-gguf:Model Qwen3ForCausalLM is not supported', file=sys.stderr)\n"
+        "sys.exit(1)\n")
 
     monkeypatch.setitem(shapes.SHAPES, "tiny", dict(
         model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -72,11 +80,14 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert realsize.main(["--shapes", "tiny", "--concurrency", "2", "--transformers-requests",
                           "2", "--models", str(tmp_path / "models"), "--out",
                           str(tmp_path / "out"), "--kv-cache-gib", "0.05",
-                          "--no-results-md"]) == 0
+                          "--llama-cpp", str(llama_cpp), "--no-results-md"]) == 0
     out = capsys.readouterr().out
     assert "# memory: read " in out
     lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("- ")}
-    assert set(lines) == {"- load", "- lone request", "- 2 requests"}, out
+    assert set(lines) == {"- load", "- lone request", "- llama.cpp", "- 2 requests"}, out
+    assert lines["- llama.cpp"] == (
+        f"- llama.cpp: not run ({llama_cpp}'s convert_hf_to_gguf.py failed: "
+        "ERROR:hf-to-gguf:Model Qwen3ForCausalLM is not supported)")
     weights = 2 * sum(math.prod(s) for s in weight_shapes(shapes.SHAPES["tiny"]).values())
     assert f"({weights / 2**30:.2f} GiB of bf16 weights):" in out
     assert "x the weights" in lines["- load"] and "GB of weights a step" in lines["- lone request"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,16 @@ def test_decode_layers_refuses_what_it_cannot_run() -> None:
 
     with pytest.raises(TypeError, match="float16"):
         native.DecodeLayers([weights(torch.float16)], heads, kv_heads, head_dim, 1e-5, 0.3)
+    norm = torch.ones(head_dim, dtype=torch.bfloat16)
+    normed = replace(weights(torch.bfloat16), head_norms=(norm, norm))
+    for layers, match in (
+            ([normed, weights(torch.bfloat16)], "per-head q/k norms"),  # one layer without
+            ([replace(normed, head_norms=(torch.ones(head_dim + 1, dtype=torch.bfloat16),) * 2)],
+             "per-head q/k norms"),
+            ([replace(normed, head_norms=(torch.ones(head_dim),) * 2)], "one dtype")):
+        with pytest.raises(ValueError, match=match):
+            native.DecodeLayers(layers, heads, kv_heads, head_dim, 1e-5, 0.3)
+    assert native.DecodeLayers([normed] * 2, heads, kv_heads, head_dim, 1e-5, 0.3).num_layers == 2
     layers = native.DecodeLayers([weights(torch.bfloat16)], heads, kv_heads, head_dim, 1e-5,
                                  0.3)
     assert layers.max_rows == native.linear_max_rows(torch.bfloat16)

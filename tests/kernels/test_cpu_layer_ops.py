@@ -87,10 +87,17 @@ def test_head_norms_norm_each_query_and_key_head_in_place(dtype, rows, heads, kv
                        native.rms_norm(k.contiguous(), k_weight, 1e-6))
 
 
-def test_head_norms_refuse_weights_of_another_shape() -> None:
+def test_head_norms_refuse_what_they_cannot_norm() -> None:
     qk = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match=r"\[8\] weights"):
         native.head_norms_(qk, 2, torch.ones(8), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match=r"\[8\] weights"):
+        native.head_norms_(qk, 2, torch.ones(8), torch.ones(8, dtype=torch.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="4 query heads of 3"):
+        native.head_norms_(qk, 4, torch.ones(8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous heads"):
+        native.head_norms_(torch.randn(2, 8, 3).transpose(1, 2), 2, torch.ones(8),
+                           torch.ones(8), 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
