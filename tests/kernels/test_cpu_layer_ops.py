@@ -87,6 +87,19 @@ def test_head_norms_norm_each_query_and_key_head_in_place(dtype, rows, heads, kv
                        native.rms_norm(k.contiguous(), k_weight, 1e-6))
 
 
+def test_head_norms_add_their_eps() -> None:
+    # Heads of values about 1e-3, whose mean square eps = 1e-2 outweighs: dropped or passed
+    # wrong, the outputs would be some hundred times off.
+    gen = torch.Generator().manual_seed(6)
+    qk = torch.randn(3, 5, 16, generator=gen) * 1e-3
+    q_weight, k_weight = torch.rand(16, generator=gen) + 0.5, torch.rand(16, generator=gen) + 0.5
+    expected = torch.cat([_hf_rms_norm(qk[:, :3], q_weight, 1e-2),
+                          _hf_rms_norm(qk[:, 3:], k_weight, 1e-2)], dim=1)
+    native.head_norms_(qk, 3, q_weight, k_weight, 1e-2)
+    _close(qk, expected)
+    assert qk.abs().max() < 0.1  # eps held the norm down
+
+
 def test_head_norms_refuse_what_they_cannot_norm() -> None:
     qk = torch.randn(2, 3, 8)
     with pytest.raises(ValueError, match=r"\[8\] weights"):
