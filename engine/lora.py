@@ -4,7 +4,8 @@ slots that a step's rows name (``kernels.lora``).
 PEFT names a layer's projections as Hugging Face does (``q_proj``, ``k_proj``, ...); the model
 fuses some (``qkv_proj``, ``gate_up_proj``). An adapter's parts of a fused projection are
 stacked along the rank in ``A`` and placed block-diagonally in ``B`` (scaling folded in), so
-``x @ A.T @ B.T`` is each part's product in its own columns and zero elsewhere.
+``x @ A.T @ B.T`` is each part's product in its own columns and zero elsewhere. ``B`` is kept
+transposed (``Bt``), as ``kernels.lora`` reads it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from engine.lora_config import TARGET_MODULES, WEIGHTS_FILE, LoRAConfig, LoRASpec
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from kernels.lora import LoRASlots
+from kernels.lora import LoRASlots, stack_slots
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def part_sizes(model: LlamaForCausalLM, name: str, out_features: int) -> list[in
 @dataclass(frozen=True)
 class LoRAWeights:
     """One adapter's weights for the model: (layer, fused projection) -> ``A [R, in]``,
-    ``B [out, R]`` (scaling folded into ``B``), on the model's device and dtype."""
+    ``Bt [R, out]`` (``B`` transposed, scaling folded in), contiguous, on the model's device
+    and dtype."""
 
     name: str
     config: LoRAConfig
@@ -122,7 +124,7 @@ def load_adapter(spec: LoRASpec, model: LlamaForCausalLM) -> LoRAWeights:
             col += r
         param = model.embed_tokens.weight  # the model's dtype (an int8 projection's is not)
         weights[layer, fused] = (a.to(param.device, param.dtype),
-                                 b.to(param.device, param.dtype))
+                                 b.t().contiguous().to(param.device, param.dtype))
     if raw:
         layer, part = next(iter(raw))
         raise ValueError(f"{path}: layer {layer} is not in the model "
@@ -237,7 +239,7 @@ class LoRAManager:
         for key, holder in self._holders.items():
             holder.weights += [None] * (len(self.slots) - len(holder.weights))
             holder.weights[slot] = w.weights.get(key)
-        self._restack()
+        self._refresh()
 
     def _uninstall(self, name: str) -> None:
         slot = self.slot_of.pop(name)
@@ -245,22 +247,14 @@ class LoRAManager:
         del self.resident[name]
         for holder in self._holders.values():
             holder.weights[slot] = None
-        self._restack()
+        self._refresh()
 
-    def _restack(self) -> None:
-        # The Triton path reads every slot from one zero-padded tensor per projection.
+    def _refresh(self) -> None:
+        # The C kernel's tables follow the slots; the Triton path reads every slot from one
+        # zero-padded tensor per projection.
         for key, holder in self._holders.items():
             linear = self._linears[key]
-            pairs = [p for p in holder.weights if p is not None]
-            if linear.weight.device.type != "cuda" or not pairs:
-                holder.stacked = None
-                continue
-            rank = max(a.shape[0] for a, _ in pairs)
-            n = len(holder.weights)
-            a = linear.weight.new_zeros(n, rank, linear.in_features)
-            b = linear.weight.new_zeros(n, linear.out_features, rank)
-            for slot, pair in enumerate(holder.weights):
-                if pair is not None:
-                    a[slot, : pair[0].shape[0]] = pair[0]
-                    b[slot, :, : pair[1].shape[1]] = pair[1]
-            holder.stacked = (a, b)
+            holder.refresh()
+            holder.stacked = (stack_slots(holder.weights, linear.in_features,
+                                          linear.out_features)
+                              if linear.weight.device.type == "cuda" else None)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import int8, reference
+from kernels.lora import LoRASlots
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 BACKEND_ENV = "KVBATCH_ATTENTION_BACKEND"
@@ -39,6 +40,8 @@ class Backend:
     - ``linear``: what the model's linear layers call, with ``F.linear``'s signature.
     - ``linear_int8``: what they call once their weights are int8 (``kernels.int8``):
       ``(x, q, scale, bias)``, the C kernel on the CPU, the Triton one on CUDA.
+    - ``lora``: what an adapted projection calls to add its rows' adapter products
+      (``kernels.lora``): ``(slots, x, y, mapping)``, ``y`` returned with them added.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Backend:
     fused: bool = False
     linear: Callable[..., torch.Tensor] = F.linear
     linear_int8: Callable[..., torch.Tensor] = int8.linear_reference
+    lora: Callable[..., torch.Tensor] = LoRASlots.add
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
@@ -82,6 +86,7 @@ def _ops(backend: str) -> Backend:
         )
     if backend == "cpu":
         from kernels import cpu, native
+        from kernels.lora import add_lora_cpu
 
         return Backend(
             name="cpu",
@@ -92,6 +97,7 @@ def _ops(backend: str) -> Backend:
             fused=True,
             linear=native.linear,
             linear_int8=native.linear_int8,
+            lora=add_lora_cpu,
         )
     if backend == "triton":
         # Imported here so that the torch backend never imports triton (nor compiles anything).

@@ -16,6 +16,9 @@ depend on the step's token budget and on what else is scheduled. So here:
   a prefill token is a decode row whose context ends at itself (its K/V are written first),
   so a token's attention is the same in any chunk of any step, and the same as if it were
   decoded; no cascade.
+- LoRA adapters' products: on the CPU, the C kernel (``kernels.lora.add_lora_fixed``) for
+  every row count, its two products in ``linear_rows``' order; on CUDA, the Triton kernel
+  runs a program per row already.
 
 Everything else a row goes through is per row or elementwise already: RMSNorm (the C kernel
 reduces each row alone, in a fixed order of partial sums; torch's per-row reduction on
@@ -31,6 +34,7 @@ from dataclasses import replace
 import torch
 
 from kernels import Backend, native
+from kernels.lora import add_lora_fixed
 
 DecodeOp = Callable[..., torch.Tensor]
 
@@ -94,7 +98,8 @@ def prefill_as_decode(decode: DecodeOp) -> DecodeOp:
 
 
 def invariant_ops(backend: Backend) -> Backend:
-    """``backend`` with the batch-invariant linear and attention (see the module's docstring).
+    """``backend`` with the batch-invariant linear, attention and LoRA products (see the
+    module's docstring).
 
     The ``cpu`` backend's linear is the C kernel for every row count (float32 or bf16
     weights, and int8 ones); the ``triton`` backend's, the fixed-tile Triton matmul (and its
@@ -104,13 +109,15 @@ def invariant_ops(backend: Backend) -> Backend:
     if backend.name == "cpu":
         decode, linear = _cpu_decode, native.linear_rows
         linear_int8 = native.linear_int8_rows  # the C kernel for every row count
+        lora = add_lora_fixed
     elif backend.name == "triton":
         from kernels import invariant_matmul
 
         decode, linear = _triton_decode, invariant_matmul.linear
         linear_int8 = backend.linear_int8  # one tile shape for every row count already
+        lora = backend.lora  # the Triton kernel: a program per row
     else:
         raise ValueError("the batch-invariant mode runs on the cpu and triton attention "
                          f"backends, not {backend.name!r}")
     return replace(backend, decode=decode, prefill=prefill_as_decode(decode), cascade=False,
-                   linear=linear, linear_int8=linear_int8)
+                   linear=linear, linear_int8=linear_int8, lora=lora)

@@ -700,6 +700,90 @@ void linear_fixed(const void *x, int x_bf16, const void *w, int w_bf16, const fl
     linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 1);
 }
 
+/* One projection's LoRA adapters, by slot (kernels.lora's LoRASlots as native.LoRATable): slot
+ * s adapts it when a[s] is not NULL, with a[s] [rank[s], K] and bt[s] [rank[s], N] (B
+ * transposed, the scaling folded in) of the rows' dtype. */
+struct lora_slots {
+    int64_t num_slots;
+    const void *const *a;
+    const void *const *bt;
+    const int64_t *rank;
+};
+
+/* lora_add's expand: outputs a block (a task), and multiply-adds from which it takes threads */
+#define LORA_BLOCK 512
+#define LORA_PARALLEL_FROM (1 << 16)
+
+/* y [M, N] += each row's adapter product: row m, whose slot s = slot_of[m] is one the projection
+ * has (-1: the base model's row), gets (x[m] @ a[s]^T) @ bt[s]. The rows of a slot are shrunk
+ * together by the linear (a[s] read once; with fixed_order in linear_fixed's order, a row's
+ * result whatever the other rows), into float32 [m, r]; each row is then expanded alone along
+ * N, a rank's row of bt at a time (so in one order whatever the rows), in float32, and added
+ * to y's row, rounded once (to y's dtype, x's). */
+void lora_add(const void *x, void *y, int bf16, const struct lora_slots *t,
+              const int32_t *slot_of, int64_t M, int64_t N, int64_t K, int fixed_order,
+              int num_threads) {
+    const int64_t elem = bf16 ? 2 : 4;
+    int64_t max_rank = 0;
+    for (int64_t s = 0; s < t->num_slots; s++)
+        if (t->a[s] && t->rank[s] > max_rank)
+            max_rank = t->rank[s];
+    if (!max_rank)
+        return;
+    int64_t *rows = malloc((size_t)M * sizeof *rows);
+    char *xs = malloc((size_t)(M * K * elem));
+    float *shrunk = malloc((size_t)(M * max_rank) * sizeof(float));
+    for (int64_t s = 0; s < t->num_slots; s++) {
+        if (!t->a[s])
+            continue;
+        int64_t m = 0;
+        for (int64_t row = 0; row < M; row++)
+            if (slot_of[row] == s)
+                rows[m++] = row;
+        if (!m)
+            continue;
+        for (int64_t i = 0; i < m; i++)
+            memcpy(xs + i * K * elem, (const char *)x + rows[i] * K * elem, (size_t)(K * elem));
+        const int64_t r = t->rank[s];
+        const void *bt = t->bt[s];
+        linear(xs, bf16, t->a[s], bf16, NULL, shrunk, 0, m, r, K, num_threads, fixed_order);
+        /* the expand, by blocks of LORA_BLOCK outputs (the threads' share) */
+#pragma omp parallel for num_threads(num_threads) if (m * r * N >= LORA_PARALLEL_FROM)
+        for (int64_t n0 = 0; n0 < N; n0 += LORA_BLOCK) {
+            const int64_t width = N - n0 < LORA_BLOCK ? N - n0 : LORA_BLOCK;
+            float g[LORA_BLOCK];
+            for (int64_t i = 0; i < m; i++) {
+                for (int64_t n = 0; n < width; n++)
+                    g[n] = 0.0f;
+                for (int64_t j = 0; j < r; j++) {
+                    const float c = shrunk[i * r + j];
+                    if (bf16) {
+                        const uint16_t *b = (const uint16_t *)bt + j * N + n0;
+                        for (int64_t n = 0; n < width; n++)
+                            g[n] += c * bf16_to_f32(b[n]);
+                    } else {
+                        const float *b = (const float *)bt + j * N + n0;
+                        for (int64_t n = 0; n < width; n++)
+                            g[n] += c * b[n];
+                    }
+                }
+                if (bf16) {
+                    uint16_t *out = (uint16_t *)y + rows[i] * N + n0;
+                    for (int64_t n = 0; n < width; n++)
+                        out[n] = f32_to_bf16(bf16_to_f32(out[n]) + g[n]);
+                } else {
+                    float *out = (float *)y + rows[i] * N + n0;
+                    for (int64_t n = 0; n < width; n++)
+                        out[n] += g[n];
+                }
+            }
+        }
+    }
+    free(rows);
+    free(xs);
+    free(shrunk);
+}
+
 /* The rows from which bf16 rows by bf16 weights take the columns in linear_small (0: never in
  * this build; AMX's tiles take them first where the process may use AMX). */
 int linear_columns_from(void) { return COLUMNS_FROM; }

@@ -5,6 +5,8 @@ Punica / S-LoRA style: every adapter resident on the device has a slot; a step g
 projection adds, row by row, ``(x @ A[slot].T) @ B[slot].T`` to its output (``B`` holds the
 adapter's scaling). A fused projection (q|k|v, gate|up) stacks its parts' ``A`` along the rank
 and places their ``B`` block-diagonally, so one shrink and one expand serve the whole of it.
+Each slot keeps ``B`` transposed (``Bt``, ``[r, out]``): the C kernel's expand runs along the
+output, a rank's row of ``Bt`` at a time, and torch's ``addmm`` takes it as it is.
 
 :func:`add_lora_reference` is the spec, row by row over stacked weights; :func:`add_lora`
 runs the CPU path (one pair of matmuls per adapter present in the step, on its rows) or, on
@@ -19,10 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 # Most rows a step may have for the concatenated path: past it, each row computing every
 # adapter's shrink costs more than two matmuls per adapter on its own rows (prefill steps).
 CONCAT_MAX_ROWS = 32
-# slot -> (A [r, in], B [out, r]) of the adapters that adapt a projection (None: it does not)
+# slot -> (A [r, in], Bt [r, out]) of the adapters that adapt a projection (None: it does not)
 SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
 
 
@@ -76,7 +80,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: SlotWeights,
     adapter product, in place.
 
     Args:
-        weights: per slot, ``(A [r, in], B [out, r])`` or None (the CPU path reads these).
+        weights: per slot, ``(A [r, in], Bt [r, out])`` or None (the CPU path reads these).
         stacked: ``A [S, R, in]`` and ``B [S, out, R]`` zero-padded to the largest rank, for
             the Triton path (CUDA); None elsewhere.
         mapping: the step's rows per slot.
@@ -89,12 +93,31 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, weights: SlotWeights,
         pair = weights[slot]
         if pair is None:
             continue
-        a, b = pair
+        a, bt = pair
         if isinstance(rows, slice):
-            torch.addmm(y[rows], F.linear(x[rows], a), b.t(), out=y[rows])
+            torch.addmm(y[rows], F.linear(x[rows], a), bt, out=y[rows])
         else:
-            y.index_add_(0, rows, F.linear(F.linear(x[rows], a), b))
+            y.index_add_(0, rows, F.linear(x[rows], a) @ bt)
     return y
+
+
+def stack_slots(weights: SlotWeights, in_features: int, out_features: int
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every slot's ``(A, Bt)`` in the Triton kernels' layout: ``A [S, R, in]`` and ``B [S,
+    out, R]``, zero-padded to the largest rank ``R``, on the adapters' device and dtype (what
+    :func:`add_lora_reference` takes too); None without adapters."""
+    pairs = [p for p in weights if p is not None]
+    if not pairs:
+        return None
+    rank = max(a.shape[0] for a, _ in pairs)
+    like = pairs[0][0]
+    a = like.new_zeros(len(weights), rank, in_features)
+    b = like.new_zeros(len(weights), out_features, rank)
+    for slot, pair in enumerate(weights):
+        if pair is not None:
+            a[slot, : pair[0].shape[0]] = pair[0]
+            b[slot, :, : pair[1].shape[0]] = pair[1].t()
+    return a, b
 
 
 def add_lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -126,8 +149,24 @@ class LoRASlots:
 
     weights: SlotWeights
     stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The CPU adapters' addresses for cpu_linear.c's lora_add (what add_lora_cpu and the
+    # one-call decode step read): the same object for the holder's life, set by refresh().
+    table: native.LoRATable = field(default_factory=native.LoRATable, compare=False)
     _concat: tuple[tuple[int, ...], tuple[object, ...], torch.Tensor, torch.Tensor,
                    torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Update ``table`` to ``weights``: whoever changes them calls it (``engine.lora``'s
+        manager). The table is empty unless every adapter is on the CPU, contiguous, in float32
+        or bf16 (``engine.lora`` loads them so)."""
+        pairs = [p for p in self.weights if p is not None]
+        c_ready = all(a.device.type == "cpu" and a.dtype in native.LINEAR_MAX_ROWS
+                      and a.is_contiguous() and b.is_contiguous() for a, b in pairs)
+        self.table.set(self.weights if c_ready else ())
+        self.in_c = c_ready  # the table holds every adapter (it may hold none)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``y`` plus each row's adapter product."""
@@ -139,14 +178,41 @@ class LoRASlots:
         if self._concat is None or self._concat[0] != key:
             pairs = [self.weights[s] for s in present]
             a = torch.cat([p[0] for p in pairs if p is not None])  # [sum R, in]
-            b = torch.cat([p[1] for p in pairs if p is not None], dim=1)  # [out, sum R]
+            bt = torch.cat([p[1] for p in pairs if p is not None])  # [sum R, out]
             col_slot = torch.cat([torch.full((p[0].shape[0],), s, dtype=torch.int32)
                                   for s, p in zip(present, pairs, strict=True)
                                   if p is not None]).to(a.device)
             layout: tuple[object, ...] = tuple(
                 (s, p[0].shape[0]) for s, p in zip(present, pairs, strict=True) if p is not None)
-            self._concat = (key, layout, a, b, col_slot)
-        _, layout, a, b, col_slot = self._concat
+            self._concat = (key, layout, a, bt, col_slot)
+        _, layout, a, bt, col_slot = self._concat
         shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
         shrunk *= mapping.mask(layout, col_slot, shrunk.dtype)
-        return torch.addmm(y, shrunk, b.t(), out=y)
+        return torch.addmm(y, shrunk, bt, out=y)
+
+
+def in_c(slots: LoRASlots, dtype: torch.dtype) -> bool:
+    """Whether ``slots``' table holds every adapter it has, for rows of ``dtype``."""
+    return slots.in_c and slots.table.dtype in (None, dtype)
+
+
+def add_lora_cpu(slots: LoRASlots, x: torch.Tensor, y: torch.Tensor,
+                 mapping: LoRAMapping) -> torch.Tensor:
+    """The cpu backend's: a step of at most the rows ``native.linear`` runs in C (decodes)
+    through ``cpu_linear.c``'s ``lora_add``, the kernel a decode step in one C call runs (so
+    the two agree bit for bit); a larger one (prefill), or adapters the kernel does not take,
+    as :meth:`LoRASlots.add`."""
+    if in_c(slots, x.dtype) and x.shape[0] <= native.linear_max_rows(x.dtype):
+        return native.lora_add_(x.contiguous(), y, slots.table, mapping.index)
+    return slots.add(x, y, mapping)
+
+
+def add_lora_fixed(slots: LoRASlots, x: torch.Tensor, y: torch.Tensor,
+                   mapping: LoRAMapping) -> torch.Tensor:
+    """The batch-invariant cpu backend's: every step through ``lora_add`` in
+    ``native.linear_rows``' order, so a row's adapter product does not depend on the rows
+    beside it."""
+    if not in_c(slots, x.dtype):
+        raise TypeError(f"the batch-invariant mode's LoRA kernel takes {x.dtype} adapters on "
+                        "the CPU")
+    return native.lora_add_(x.contiguous(), y, slots.table, mapping.index, fixed_order=True)

@@ -36,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -74,6 +74,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_linear": (("-ffp-contract=off",), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
         "linear_fixed": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
+        "lora_add": [_ptr, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
     }),
     # The same for the int8 linear: on an AVX2 host gcc 12 contracted its tile shapes apart.
     # Measured there, one thread, 8192x2048: 1 row unchanged (7.4-7.9 ms either way), 4 rows
@@ -85,14 +86,15 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_step": ((), {
         "decode_layers": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i64,
                           _i64, _f32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-                          _i64, _f32, _i64, _i32],
+                          _i64, _f32, _i64, _ptr, _ptr, _i32],
     }),
 }
 # The kernels cpu_step.c chains, in the order of its ``struct kernels``.
 STEP_KERNELS = (("cpu_layer", "rms_norm"), ("cpu_linear", "linear_small"),
                 ("cpu_layer", "rotary"), ("cpu_layer", "silu_mul"),
                 ("cpu_decode", "reshape_and_cache"), ("cpu_decode", "paged_decode"),
-                ("cpu_int8", "linear_int8"), ("cpu_layer", "head_norms"))
+                ("cpu_int8", "linear_int8"), ("cpu_layer", "head_norms"),
+                ("cpu_linear", "lora_add"))
 # Rows up to which ``linear`` runs the C kernel, by weight dtype (see ``linear_max_rows``); past
 # them torch's GEMM wins (float32 weights as they are, bf16 widened first where the CPU has no bf16
 # arithmetic). Measured on a 2-core AVX2 host: at 8 rows the kernel took 32-38 ms a step of
@@ -513,6 +515,78 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     )
 
 
+class LoRATable(ctypes.Structure):
+    """One projection's LoRA adapters by slot, as ``cpu_linear.c``'s ``lora_add`` reads them
+    (its ``struct lora_slots``): slot ``s`` holds ``(A [r, in], Bt [r, out])`` or None.
+    ``kernels.lora.LoRASlots`` keeps one per projection and :meth:`set` refreshes it in place
+    when its slots change, so its address (which :class:`DecodeLayers` is given) stays valid."""
+
+    _fields_ = [("num_slots", ctypes.c_int64), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("rank", ctypes.c_void_p)]
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = ()) -> None:
+        super().__init__()
+        self.set(pairs)
+
+    def set(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Point at ``pairs`` (contiguous CPU tensors of one dtype, float32 or bf16, every
+        slot's of one ``in`` and ``out``); kept alive here until the next ``set``."""
+        present = [p for p in pairs if p is not None]
+        shapes = {(a.shape[1], b.shape[1]) for a, b in present}
+        if len(shapes) > 1 or any(
+                a.dim() != 2 or b.dim() != 2 or b.shape[0] != a.shape[0]
+                or not (a.is_contiguous() and b.is_contiguous())
+                or {a.dtype, b.dtype} != {present[0][0].dtype} or a.device.type != "cpu"
+                or b.device.type != "cpu" for a, b in present):
+            raise ValueError("a LoRATable needs contiguous CPU pairs A [r, in], Bt [r, out] "
+                             "of one dtype and one in and out")
+        if present and present[0][0].dtype not in LINEAR_MAX_ROWS:
+            raise TypeError(f"no C LoRA kernel for {present[0][0].dtype} adapters")
+        n = len(pairs)
+        self._a = (ctypes.c_void_p * n)(*(None if p is None else p[0].data_ptr() for p in pairs))
+        self._b = (ctypes.c_void_p * n)(*(None if p is None else p[1].data_ptr() for p in pairs))
+        self._rank = (ctypes.c_int64 * n)(*(0 if p is None else p[0].shape[0] for p in pairs))
+        self._pairs = list(pairs)
+        self.io = shapes.pop() if shapes else None  # (in, out) of the adapted projection
+        self.dtype = present[0][0].dtype if present else None
+        self.num_slots = n
+        self.a, self.b, self.rank = (ctypes.addressof(arr) for arr in (self._a, self._b,
+                                                                      self._rank))
+
+
+def lora_tables(tables: Sequence[LoRATable]) -> ctypes.Array:
+    """The addresses of ``tables`` as :class:`DecodeLayers` takes them: the tables must stay
+    alive (and be refreshed in place) while it is used."""
+    return (ctypes.c_void_p * len(tables))(*(ctypes.addressof(t) for t in tables))
+
+
+def lora_add_(x: torch.Tensor, y: torch.Tensor, table: LoRATable, index: torch.Tensor,
+              fixed_order: bool = False) -> torch.Tensor:
+    """``y`` ([M, out]) plus, in place, each row's adapter product of ``x`` ([M, in]): row
+    ``m`` of slot ``s = index[m]`` (``[M]`` int32; -1 or a slot the table has no pair for: none)
+    gets ``(x[m] @ A[s].T) @ Bt[s]``, in float32, added and rounded once. The rows of a slot
+    are shrunk by ``linear``'s kernel together (with ``fixed_order``, ``linear_rows``': a row's
+    result whatever the other rows, the batch-invariant mode's), each row expanded alone."""
+    if table.dtype is None:
+        return y
+    rows = x.shape[0]
+    if not (x.dim() == y.dim() == 2 and y.shape[0] == rows and index.shape == (rows,)):
+        raise ValueError(f"lora_add_: x {tuple(x.shape)}, y {tuple(y.shape)} and index "
+                         f"{tuple(index.shape)} are not of one step's rows")
+    if (x.shape[1], y.shape[1]) != table.io:
+        raise ValueError(f"lora_add_: a projection {x.shape[1]} -> {y.shape[1]}, adapters of "
+                         f"{table.io[0]} -> {table.io[1]}")
+    if not (x.dtype == y.dtype == table.dtype and x.is_contiguous() and y.is_contiguous()
+            and index.dtype == torch.int32 and index.is_contiguous()):
+        raise ValueError("lora_add_ needs contiguous x and y of the adapters' dtype and an "
+                         "int32 index")
+    library("cpu_linear").lora_add(
+        x.data_ptr(), y.data_ptr(), _dtype_code(x), ctypes.addressof(table), index.data_ptr(),
+        rows, y.shape[1], x.shape[1], int(fixed_order), torch.get_num_threads(),
+    )
+    return y
+
+
 def head_norms_(x: torch.Tensor, num_heads: int, q_weight: torch.Tensor,
                 k_weight: torch.Tensor, eps: float) -> None:
     """Qwen3's per-head q and k RMSNorm, in place: ``x`` ([T, heads, D], rows may be strided)
@@ -764,8 +838,13 @@ class DecodeLayers:
         slot_mapping: torch.Tensor,  # [T]
         block_tables: torch.Tensor,  # [T, max_blocks]
         seq_lens: torch.Tensor,  # [T]
+        lora: tuple[ctypes.Array, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]: the last layer's MLP output
-        """Run every layer for ``T`` decode rows (one token of each of ``T`` sequences)."""
+        """Run every layer for ``T`` decode rows (one token of each of ``T`` sequences).
+
+        ``lora``: with adapted rows, every layer's qkv, o, gate_up and down adapter tables in
+        that order (:func:`lora_tables`) and the rows' slots (``[T]`` int32, -1: none); each
+        projection adds its rows' products as ``lora_add_`` does."""
         rows = residual.shape[0]
         cos, sin = rope
         if rows > self.max_rows:
@@ -777,6 +856,11 @@ class DecodeLayers:
             raise ValueError(f"DecodeLayers: the step's metadata is not of {rows} rows")
         if kv_caches.shape[0] != self.num_layers:
             raise ValueError(f"{kv_caches.shape[0]} KV caches for {self.num_layers} layers")
+        if lora is not None and (len(lora[0]) != 4 * self.num_layers
+                                 or lora[1].shape != (rows,) or lora[1].dtype != torch.int32
+                                 or not lora[1].is_contiguous()):
+            raise ValueError(f"DecodeLayers needs 4 adapter tables a layer ({self.num_layers} "
+                             f"layers) and the {rows} rows' int32 slots")
         num_heads, num_kv_heads, head_dim = self.shape
         slots = slot_mapping.to(torch.int64).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
@@ -789,7 +873,8 @@ class DecodeLayers:
             self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
             kv_caches.stride(0) * size, kv_caches.stride(1) * size, slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_caches.shape[3],
-            self.scale, self.group, torch.get_num_threads(),
+            self.scale, self.group, None if lora is None else lora[0],
+            None if lora is None else lora[1].data_ptr(), torch.get_num_threads(),
         )
         return x
 

@@ -19,6 +19,19 @@ from jobs import db
 from jobs.constants import Keys
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """Whatever thread count a test sets (a bench's ``main`` with ``--threads 1``), the next
+    test starts with the one before it: a leaked count would change later tests' speed, and
+    their kernels' split of work, by test order."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama saved as transformers saves it (one for the whole session; the

@@ -20,6 +20,7 @@ model's dtype.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -32,7 +33,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
 from kernels import Backend, int8, native
 from kernels.cascade import runs_cascade
-from kernels.lora import LoRAMapping
+from kernels.lora import LoRAMapping, LoRASlots, in_c
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Inputs per scale of a bf16/float32 checkpoint quantized to int8 (None: one scale per output
@@ -85,6 +86,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.op: Callable[..., torch.Tensor] = backend.linear
         self.op_int8: Callable[..., torch.Tensor] = backend.linear_int8
+        self.op_lora: Callable[..., torch.Tensor] = backend.lora
         self.weight_scale: torch.Tensor | None
         self.register_buffer("weight_scale", None)
 
@@ -278,9 +280,11 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend)
         self._decode_layers: native.DecodeLayers | None = None  # built on first use
+        self._lora_tables: ctypes.Array | None = None  # its adapters' tables, likewise
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._decode_layers = None  # .to(), .float(), ...: its weights' addresses may change
+        self._lora_tables = None
         return super()._apply(fn, recurse)
 
     @classmethod
@@ -334,8 +338,9 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         if self._in_one_call(x.shape[0], kv_caches, meta):
             assert self._decode_layers is not None
+            lora = None if meta.lora is None else (self._lora_tables, meta.lora.index)
             out = self._decode_layers(x, rope, kv_caches, meta.slot_mapping, meta.block_tables,
-                                      meta.seq_lens)
+                                      meta.seq_lens, lora)
             return self.norm(out, x)[0]  # x: the residual stream, in place
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -353,13 +358,27 @@ class LlamaForCausalLM(nn.Module):
             return native.linear_int8_max_rows(int8.scale_group(qkv.weight, qkv.weight_scale))
         return native.linear_max_rows(qkv.weight.dtype)
 
+    def _adapters_in_c(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` adapted rows runs their adapters in the C kernel
+        layer by layer (``kernels.lora.add_lora_cpu``'s condition), so in one call too: every
+        projection's adapters in its table, and no more rows than ``native.linear`` runs in C."""
+        dtype = self.embed_tokens.weight.dtype
+        holders = [getattr(p, "lora", None) for p in self.int8_linears()]
+        if rows > native.linear_max_rows(dtype) or not all(
+                isinstance(h, LoRASlots) and in_c(h, dtype) for h in holders):
+            return False
+        if self._lora_tables is None:
+            self._lora_tables = native.lora_tables([cast(LoRASlots, h).table for h in holders])
+        return True
+
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this step's layers run as one C call: decodes only, without a cascade
         prefix (torch's attention computes it), at most ``one_call_rows()`` of them, over a
-        contiguous CPU KV cache of the weights' dtype."""
+        contiguous CPU KV cache of the weights' dtype; with adapted rows, where the layer by
+        layer path adds their products in C too (:meth:`_adapters_in_c`)."""
         if not (meta.num_decode_tokens == rows and meta.decode_prefix is not None
-                and meta.lora is None
-                and 0 < rows <= self.one_call_rows()):
+                and 0 < rows <= self.one_call_rows()
+                and (meta.lora is None or self._adapters_in_c(rows))):
             return False
         prefix_rows, shared = meta.decode_prefix
         if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
@@ -476,12 +495,13 @@ class LlamaForCausalLM(nn.Module):
         return [total // 2, total // 2]
 
 
-def _adapted(linear: nn.Module, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+def _adapted(linear: Linear, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
     """``linear(x)`` plus each row's LoRA adapter product when the step has adapted rows
-    (``engine.lora`` keeps the adapters' weights on the module, as ``lora``)."""
+    (``engine.lora`` keeps the adapters' weights on the module, as ``lora``), by the
+    backend's ``lora``."""
     y = linear(x)
     slots = getattr(linear, "lora", None)
-    return y if lora is None or slots is None else slots.add(x, y, lora)
+    return y if lora is None or slots is None else linear.op_lora(slots, x, y, lora)
 
 
 def _int8_scales(layer: nn.Module

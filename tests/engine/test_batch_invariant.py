@@ -11,6 +11,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.loader import ensure_default_model
+from engine.testing import make_random_adapter
 
 SYSTEM = "You are a careful assistant for a data team. Answer briefly. " * 3
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -41,6 +42,25 @@ def test_bf16_tokens_do_not_depend_on_the_batch(tiny_model: Path) -> None:
         assert a.token_ids == b.token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # bit for bit, not close
     assert engine.stats().prefix_cache_hits > 0  # the system prompt's blocks were shared
+
+
+def test_bf16_adapted_tokens_do_not_depend_on_the_batch(tiny_model: Path,
+                                                        tmp_path: Path) -> None:
+    # Rows of two adapters and of the base model: an adapted prompt alone and among 48 (of
+    # every adapter, their products in steps of many rows).
+    adapters = {name: make_random_adapter(Path(tiny_model), tmp_path / name, rank, seed=rank)
+                for name, rank in (("a8", 8), ("a16", 16))}
+    engine = LLMEngine(EngineConfig(
+        model=str(tiny_model), dtype="bfloat16", batch_invariant=True,
+        max_num_batched_tokens=200, lora=tuple(f"{n}={p}" for n, p in adapters.items())))
+    prompts, names = _prompts(48, 100), [None, "a8", "a16"]
+    lora = [names[i % 3] for i in range(48)]
+    alone = [engine.generate([p], SAMPLING, lora=n)[0] for p, n in zip(prompts[1:5], lora[1:5],
+                                                                        strict=True)]
+    batched = engine.generate(prompts, SAMPLING, lora=lora)[1:5]
+    for a, b in zip(alone, batched, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_float32_tokens_are_the_default_modes(tiny_model: Path) -> None:

@@ -13,18 +13,22 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
+from engine.testing import make_random_adapter
 from kernels import native
 
 NUM_NEW = 12
 
 
 def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
-              shared_prefix: int = 0) -> tuple[list, int, LlamaForCausalLM]:
-    """Greedy outputs with logprobs, how many steps ran as one C call, and the model."""
+              shared_prefix: int = 0, adapters: dict[str, Path] | None = None
+              ) -> tuple[list, int, LlamaForCausalLM]:
+    """Greedy outputs with logprobs, how many steps ran as one C call, and the model. With
+    ``adapters``, the prompts take the base model and each adapter in turn."""
     # every prompt prefilled in one step and none preempted, so that the batch decodes and
     # finishes together (98 of 5 to 140 tokens where bf16 takes 96 rows)
+    lora = tuple(f"{name}={path}" for name, path in (adapters or {}).items())
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=2048,
-                                    max_num_batched_tokens=8192))
+                                    max_num_batched_tokens=8192, lora=lora))
     model = engine.runner.model
     assert isinstance(model, LlamaForCausalLM)
     calls = 0
@@ -42,7 +46,9 @@ def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
     prompts = [prefix + [rng.randrange(200) for _ in range(5 + 9 * (i % 16))]
                for i in range(num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
-    return engine.generate(prompts, params), calls, model
+    names = [None, *(adapters or {})]
+    return (engine.generate(prompts, params, lora=[names[i % len(names)] for i in
+                                                   range(num_prompts)]), calls, model)
 
 
 def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
@@ -89,6 +95,37 @@ def test_one_call_matches_layer_by_layer(tiny_models: dict[str, Path], model_nam
     assert reference._decode_layers is None  # the reference never ran it
     assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
     assert _logprobs(ours) == _logprobs(theirs)  # exact: the same kernels on the same values
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_call_with_adapters_matches_layer_by_layer(tiny_models: dict[str, Path],
+                                                       tmp_path: Path, dtype: str) -> None:
+    # rows of the base model and of two adapters interleaved: one adapting every projection,
+    # one only q (a part of the fused qkv) and down (no pair in the o and gate_up tables)
+    model_dir = tiny_models["llama-gqa3-hd10"]
+    adapters = {"every": make_random_adapter(model_dir, tmp_path / "every", 8, seed=1),
+                "some": make_random_adapter(model_dir, tmp_path / "some", 4, seed=2,
+                                            targets=("q_proj", "down_proj"))}
+    ours, calls, _ = _generate(model_dir, dtype, 7, True, adapters=adapters)
+    theirs, _, reference = _generate(model_dir, dtype, 7, False, adapters=adapters)
+    base, _, _ = _generate(model_dir, dtype, 7, True)
+    assert calls >= NUM_NEW - 1
+    assert reference._decode_layers is None
+    assert _logprobs(ours) == _logprobs(theirs)
+    mine = _logprobs(ours)
+    assert all(mine[i] != _logprobs(base)[i] for i in range(7) if i % 3)  # adapted rows
+    assert all(mine[i] == _logprobs(base)[i] for i in range(7) if i % 3 == 0)
+
+
+def test_adapted_steps_take_one_call_where_the_lora_kernel_does(
+        tiny_models: dict[str, Path], tmp_path: Path, packed_limit: None) -> None:
+    # as many adapted rows as the C linear (and lora_add with it) takes, not one more
+    model_dir = tiny_models["llama-mha"]
+    adapters = {"every": make_random_adapter(model_dir, tmp_path / "every", 8, seed=1)}
+    _, calls, model = _generate(model_dir, "float32", 2, True, adapters=adapters)
+    assert calls >= NUM_NEW - 1
+    limit = native.linear_max_rows(torch.float32)
+    assert model._adapters_in_c(limit) and not model._adapters_in_c(limit + 1)
 
 
 def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Path]) -> None:

@@ -1,5 +1,6 @@
-"""Batched LoRA: the Triton kernels and the CPU path against ``add_lora_reference``, rows of
-several adapters (ranks padded to the largest) and of none mixed in one step."""
+"""Batched LoRA: the Triton kernels, the CPU path and the C kernel (``cpu_linear.c``'s
+``lora_add``) against ``add_lora_reference``, rows of several adapters (ranks padded to the
+largest) and of none mixed in one step."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.lora import LoRAMapping, LoRASlots, add_lora, add_lora_reference
+from kernels import native
+from kernels.lora import (
+    LoRAMapping,
+    LoRASlots,
+    add_lora,
+    add_lora_fixed,
+    add_lora_reference,
+    stack_slots,
+)
 from kernels.lora_triton import add_lora_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +74,7 @@ def test_cpu_path_matches_reference(slots, in_features, out_features, ranks, dty
     # contiguous, an index otherwise).
     g = torch.Generator().manual_seed(3)
     a, b = _weights(in_features, out_features, ranks, dtype)
-    weights = [(a[s, :r], b[s, :, :r]) for s, r in enumerate(ranks)]
+    weights = [(a[s, :r], b[s, :, :r].t()) for s, r in enumerate(ranks)]  # A, Bt
     x = torch.randn(len(slots), in_features, generator=g)
     y = torch.randn(len(slots), out_features, generator=g)
     mapping = LoRAMapping.of(np.array(slots), torch.device("cpu"))
@@ -87,12 +96,13 @@ def test_concat_follows_the_slots_weights():
     # A slot given another adapter's weights (one unloaded, another loaded in its place) is
     # not served from the concatenation of the previous ones.
     a, b = _weights(16, 8, (4, 4), torch.float32)
-    slots = LoRASlots([(a[0], b[0]), (a[1], b[1])])
+    bt = b.transpose(1, 2)
+    slots = LoRASlots([(a[0], bt[0]), (a[1], bt[1])])
     x, y = torch.randn(3, 16), torch.zeros(3, 8)
     mapping = LoRAMapping.of(np.array([0, 1, -1]), torch.device("cpu"))
     assert mapping is not None
     first = slots.add(x, y.clone(), mapping)
-    slots.weights[1] = (a[1] * 2, b[1])
+    slots.weights[1] = (a[1] * 2, bt[1])
     second = slots.add(x, y.clone(), mapping)
     torch.testing.assert_close(second[0], first[0])
     torch.testing.assert_close(second[1], 2 * first[1])
@@ -116,3 +126,107 @@ def test_mismatched_shapes_are_refused():
     x, y = torch.zeros(2, 16), torch.zeros(2, 9)
     with pytest.raises(ValueError, match="do not fit"):
         add_lora_triton(x, y, a, b, torch.zeros(2, dtype=torch.int32))
+
+
+C_CASES = [c for c in CASES if c[4] != torch.float16]  # the C kernel: float32 and bf16
+
+
+@pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"),
+                         [*C_CASES, *((*c[:4], torch.bfloat16) for c in C_CASES[:1])])
+@pytest.mark.parametrize("fixed_order", [False, True])
+def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dtype,
+                                    fixed_order):
+    g = torch.Generator().manual_seed(11)
+    a, b = _weights(in_features, out_features, ranks, dtype)
+    x = torch.randn(len(slots), in_features, generator=g).to(dtype)
+    y = torch.randn(len(slots), out_features, generator=g).to(dtype)
+    index = torch.tensor(slots, dtype=torch.int32)
+    want = add_lora_reference(x, y, a, b, index)
+    # the last slot has no pair for this projection (an adapter that does not adapt it)
+    pairs = [(a[s, :r].contiguous(), b[s, :, :r].t().contiguous())
+             for s, r in enumerate(ranks)]
+    table = native.LoRATable([*pairs[:-1], None])
+    got = native.lora_add_(x, y.clone(), table, index, fixed_order=fixed_order)
+
+    mine = [t for t, s in enumerate(slots) if s != len(ranks) - 1]
+    tol = TOLERANCE[dtype] * want.float().abs().max().item()
+    torch.testing.assert_close(got[mine].float(), want[mine].float(), atol=tol,
+                               rtol=TOLERANCE[dtype])
+    untouched = [t for t, s in enumerate(slots) if s < 0 or s == len(ranks) - 1]
+    assert torch.equal(got[untouched], y[untouched])
+
+
+def test_c_kernel_fixed_order_is_per_row():
+    # A row's product is the same bits alone and among 99 rows of its slot (bf16: the columns
+    # kernel takes many rows in another order than the tiles).
+    a, b = _weights(256, 320, (16,), torch.bfloat16)
+    table = native.LoRATable([(a[0], b[0].t().contiguous())])
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100, 256, generator=g).to(torch.bfloat16)
+    y = torch.randn(100, 320, generator=g).to(torch.bfloat16)
+    index = torch.zeros(100, dtype=torch.int32)
+    batch = native.lora_add_(x, y.clone(), table, index, fixed_order=True)
+    for t in (0, 57, 99):
+        alone = native.lora_add_(x[t : t + 1], y[t : t + 1].clone(), table, index[:1],
+                                 fixed_order=True)
+        assert torch.equal(alone[0], batch[t])
+
+
+def test_cpu_backend_paths_follow_the_slots_table():
+    # add_lora_fixed reads the table LoRASlots keeps, refreshed when its weights change;
+    # adapters the C kernel cannot take (float16) are refused there, not skipped.
+    a, b = _weights(16, 8, (4, 4), torch.float32)
+    bt = b.transpose(1, 2).contiguous()
+    slots = LoRASlots([(a[0].contiguous(), bt[0]), None])
+    x, y = torch.randn(3, 16), torch.zeros(3, 8)
+    mapping = LoRAMapping.of(np.array([0, 1, -1]), torch.device("cpu"))
+    assert mapping is not None
+    first = add_lora_fixed(slots, x, y.clone(), mapping)
+    assert torch.equal(first[1], y[1]) and not torch.equal(first[0], y[0])
+    slots.weights[1] = (a[1].contiguous(), bt[1])
+    slots.refresh()
+    second = add_lora_fixed(slots, x, y.clone(), mapping)
+    torch.testing.assert_close(second, add_lora_reference(x, y, a, b, mapping.index))
+    half = LoRASlots([(a[0].half(), bt[0].half())])
+    assert not half.in_c
+    with pytest.raises(TypeError, match="adapters"):
+        add_lora_fixed(half, x.half(), y.half(), mapping)
+
+
+def test_c_kernel_refusals():
+    a, b = _weights(16, 8, (4,), torch.float32)
+    bt = b.transpose(1, 2).contiguous()
+    table = native.LoRATable([(a[0], bt[0])])
+    index = torch.zeros(2, dtype=torch.int32)
+    for x, y, idx, match in (
+            (torch.zeros(2, 16), torch.zeros(2, 9), index, "adapters of 16 -> 8"),
+            (torch.zeros(2, 16), torch.zeros(3, 8), index, "rows"),
+            (torch.zeros(2, 16), torch.zeros(2, 8), index.long(), "int32"),
+            (torch.zeros(2, 16).bfloat16(), torch.zeros(2, 8).bfloat16(), index, "dtype")):
+        with pytest.raises(ValueError, match=match):
+            native.lora_add_(x, y, table, idx)
+    for pairs in ([(a[0], bt[0]), (a[0][:, :15].contiguous(), bt[0])],  # another in-features
+                  [(a[0], bt[0][:3])],  # Bt's rank is not A's
+                  [(a[0], bt[0].bfloat16())],  # two dtypes
+                  [(a[0].t().contiguous().t(), bt[0])]):  # not contiguous
+        with pytest.raises(ValueError, match="LoRATable"):
+            native.LoRATable(pairs)
+    with pytest.raises(TypeError, match="float16"):
+        native.LoRATable([(a[0].half(), bt[0].half())])
+
+
+def test_stacked_slots_are_the_pairs_padded():
+    # The Triton kernels' layout (built from the slots on CUDA): the reference over it gives
+    # what the per-slot CPU path gives, a slot without a pair adding nothing.
+    a, b = _weights(24, 40, (8, 3, 5), torch.float32)
+    pairs = [(a[0], b[0].t().contiguous()), None, (a[2, :5], b[2, :, :5].t().contiguous())]
+    stacked = stack_slots(pairs, 24, 40)
+    assert stacked is not None and stacked[0].shape == (3, 8, 24) and stacked[1].shape == (3, 40, 8)
+    slots = [2, 0, 1, -1, 2]
+    x, y = torch.randn(5, 24), torch.randn(5, 40)
+    mapping = LoRAMapping.of(np.array(slots), torch.device("cpu"))
+    assert mapping is not None
+    want = add_lora(x, y.clone(), pairs, None, mapping)
+    got = add_lora_reference(x, y, *stacked, torch.tensor(slots, dtype=torch.int32))
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got[2], y[2]) and stack_slots([None, None], 24, 40) is None
