@@ -20,15 +20,16 @@ NUM_NEW = 12
 
 
 def _generate(model_dir: Path, dtype: str, num_prompts: int, one_call: bool,
-              shared_prefix: int = 0, adapters: dict[str, Path] | None = None
-              ) -> tuple[list, int, LlamaForCausalLM]:
+              shared_prefix: int = 0, adapters: dict[str, Path] | None = None,
+              quantization: str | None = None) -> tuple[list, int, LlamaForCausalLM]:
     """Greedy outputs with logprobs, how many steps ran as one C call, and the model. With
     ``adapters``, the prompts take the base model and each adapter in turn."""
     # every prompt prefilled in one step and none preempted, so that the batch decodes and
     # finishes together (98 of 5 to 140 tokens where bf16 takes 96 rows)
     lora = tuple(f"{name}={path}" for name, path in (adapters or {}).items())
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=2048,
-                                    max_num_batched_tokens=8192, lora=lora))
+                                    max_num_batched_tokens=8192, lora=lora,
+                                    quantization=quantization))
     model = engine.runner.model
     assert isinstance(model, LlamaForCausalLM)
     calls = 0
@@ -97,18 +98,22 @@ def test_one_call_matches_layer_by_layer(tiny_models: dict[str, Path], model_nam
     assert _logprobs(ours) == _logprobs(theirs)  # exact: the same kernels on the same values
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("dtype", "quantization"), [
+    ("float32", None), ("bfloat16", None), ("bfloat16", "int8")])  # int8: bf16 adapters
 def test_one_call_with_adapters_matches_layer_by_layer(tiny_models: dict[str, Path],
-                                                       tmp_path: Path, dtype: str) -> None:
+                                                       tmp_path: Path, dtype: str,
+                                                       quantization: str | None) -> None:
     # rows of the base model and of two adapters interleaved: one adapting every projection,
     # one only q (a part of the fused qkv) and down (no pair in the o and gate_up tables)
     model_dir = tiny_models["llama-gqa3-hd10"]
     adapters = {"every": make_random_adapter(model_dir, tmp_path / "every", 8, seed=1),
                 "some": make_random_adapter(model_dir, tmp_path / "some", 4, seed=2,
                                             targets=("q_proj", "down_proj"))}
-    ours, calls, _ = _generate(model_dir, dtype, 7, True, adapters=adapters)
-    theirs, _, reference = _generate(model_dir, dtype, 7, False, adapters=adapters)
-    base, _, _ = _generate(model_dir, dtype, 7, True)
+    ours, calls, _ = _generate(model_dir, dtype, 7, True, adapters=adapters,
+                               quantization=quantization)
+    theirs, _, reference = _generate(model_dir, dtype, 7, False, adapters=adapters,
+                                     quantization=quantization)
+    base, _, _ = _generate(model_dir, dtype, 7, True, quantization=quantization)
     assert calls >= NUM_NEW - 1
     assert reference._decode_layers is None
     assert _logprobs(ours) == _logprobs(theirs)
