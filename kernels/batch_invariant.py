@@ -17,8 +17,9 @@ depend on the step's token budget and on what else is scheduled. So here:
   so a token's attention is the same in any chunk of any step, and the same as if it were
   decoded; no cascade.
 - LoRA adapters' products: on the CPU, the C kernel (``kernels.lora.add_lora_fixed``) for
-  every row count, its two products in ``linear_rows``' order; on CUDA, the Triton kernel
-  runs a program per row already.
+  every row count (a row's product there is the same whatever the other rows; by default
+  torch's matmuls take steps of more rows); on CUDA, the Triton kernel runs a program per row
+  already.
 
 Everything else a row goes through is per row or elementwise already: RMSNorm (the C kernel
 reduces each row alone, in a fixed order of partial sums; torch's per-row reduction on

@@ -49,7 +49,7 @@ typedef void (*linear_int8_fn)(const void *, int, const int8_t *, const float *,
 typedef void (*head_norms_fn)(void *, int64_t, const void *, const void *, int64_t, int64_t,
                               int64_t, int64_t, float, int, int);
 typedef void (*lora_fn)(const void *, void *, int, const void *, const int32_t *, int64_t,
-                        int64_t, int64_t, int, int);
+                        int64_t, int64_t, int);
 typedef void (*decode_fn)(const float *, const char *, const char *, int, const int32_t *,
                           int64_t, const int32_t *, int64_t, int64_t, int64_t, int64_t,
                           int64_t, float, float *, float *, const int32_t *, int64_t,
@@ -89,7 +89,7 @@ static void project(const struct kernels *k, const void *const *w, int at, int s
     else
         k->linear(x, bf16, w[at], bf16, bias, y, bf16, rows, n, kdim, num_threads);
     if (lora)
-        k->lora(x, y, bf16, lora, slot_of, rows, n, kdim, 0, num_threads);
+        k->lora(x, y, bf16, lora, slot_of, rows, n, kdim, num_threads);
 }
 
 void decode_layers(const void *const *kernels, const void *const *weights, int64_t num_layers,

@@ -9,8 +9,12 @@ Each slot keeps ``B`` transposed (``Bt``, ``[r, out]``): the C kernel's expand r
 output, a rank's row of ``Bt`` at a time, and torch's ``addmm`` takes it as it is.
 
 :func:`add_lora_reference` is the spec, row by row over stacked weights; :func:`add_lora`
-runs the CPU path (one pair of matmuls per adapter present in the step, on its rows) or, on
+runs torch's path (one pair of matmuls per adapter present in the step, on its rows) or, on
 CUDA, the Triton kernels of ``kernels.lora_triton`` (one program per row and output tile).
+The cpu backend's :func:`add_lora_cpu` runs a step of few rows (decodes) through
+``cpu_linear.c``'s ``lora_add`` (``kernels.native.lora_add_``), the kernel a decode step in
+one C call runs too; the batch-invariant mode's :func:`add_lora_fixed` runs every step there
+(a row's product in the kernel does not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ from kernels import native
 # Most rows a step may have for the concatenated path: past it, each row computing every
 # adapter's shrink costs more than two matmuls per adapter on its own rows (prefill steps).
 CONCAT_MAX_ROWS = 32
+# Most rows add_lora_cpu gives the C kernel (see c_max_rows). One rank-16 adapter on
+# Llama-3.2-1B's qkv, gate_up and down projections (bf16, one slot; a 2-core Zen 4 EPYC,
+# 2026-12-07), ms for the three against torch's two matmuls: 0.14 against 0.32 at 8 rows, 0.49
+# against 0.58 at 32, 0.73 against 0.73 at 48, 0.97 against 0.78 at 64, 1.26 against 0.94 at
+# 96. To 64 rows it loses at most 0.2 ms a layer, and a decode step with adapted rows runs in
+# one C call only as far as it goes (the base model's 64-row steps: 396.8 ms in one call
+# against 484.2 layer by layer, 5.5 ms a layer; kernels.native's LINEAR_MAX_ROWS notes).
+LORA_C_MAX_ROWS = 64
 # slot -> (A [r, in], Bt [r, out]) of the adapters that adapt a projection (None: it does not)
 SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -139,8 +151,10 @@ class LoRASlots:
     """One projection's adapters, by slot: what ``add_lora`` reads (``weights``, and
     ``stacked`` on CUDA). Kept on the projection's module by ``engine.lora``.
 
-    On the CPU a step of at most ``CONCAT_MAX_ROWS`` rows (decodes) that use several adapters
-    runs them as one shrink and one expand over the present adapters' weights concatenated
+    ``table`` holds the same adapters for the C kernel (``refresh`` after ``weights``
+    change; :func:`in_c` refreshes a table that fell behind). In torch's path on the CPU, a
+    step of at most ``CONCAT_MAX_ROWS`` rows that use several adapters runs them as one shrink
+    and one expand over the present adapters' weights concatenated
     along the rank, each row masked to its own adapter's columns: a few large matmuls rather
     than two per adapter, each adapter's weights still read once. The concatenation is kept for
     the next step with the same adapters. Larger steps run two matmuls per adapter on its own
@@ -192,27 +206,37 @@ class LoRASlots:
 
 
 def in_c(slots: LoRASlots, dtype: torch.dtype) -> bool:
-    """Whether ``slots``' table holds every adapter it has, for rows of ``dtype``."""
+    """Whether ``slots``' table holds every adapter it has, for rows of ``dtype`` (refreshed
+    first if its slots changed since)."""
+    pairs = slots.table.pairs
+    if len(pairs) != len(slots.weights) or any(
+            p is not q for p, q in zip(pairs, slots.weights, strict=True)):
+        slots.refresh()
     return slots.in_c and slots.table.dtype in (None, dtype)
+
+
+def c_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of ``dtype`` :func:`add_lora_cpu` runs in the C kernel: as many as
+    ``native.linear`` does, to ``LORA_C_MAX_ROWS``."""
+    return min(native.linear_max_rows(dtype), LORA_C_MAX_ROWS)
 
 
 def add_lora_cpu(slots: LoRASlots, x: torch.Tensor, y: torch.Tensor,
                  mapping: LoRAMapping) -> torch.Tensor:
-    """The cpu backend's: a step of at most the rows ``native.linear`` runs in C (decodes)
-    through ``cpu_linear.c``'s ``lora_add``, the kernel a decode step in one C call runs (so
-    the two agree bit for bit); a larger one (prefill), or adapters the kernel does not take,
-    as :meth:`LoRASlots.add`."""
-    if in_c(slots, x.dtype) and x.shape[0] <= native.linear_max_rows(x.dtype):
+    """The cpu backend's: a step of at most :func:`c_max_rows` rows (decodes) through
+    ``cpu_linear.c``'s ``lora_add``, the kernel a decode step in one C call runs (so the two
+    agree bit for bit); a larger one (prefill), or adapters the kernel does not take, as
+    :meth:`LoRASlots.add`."""
+    if in_c(slots, x.dtype) and x.shape[0] <= c_max_rows(x.dtype):
         return native.lora_add_(x.contiguous(), y, slots.table, mapping.index)
     return slots.add(x, y, mapping)
 
 
 def add_lora_fixed(slots: LoRASlots, x: torch.Tensor, y: torch.Tensor,
                    mapping: LoRAMapping) -> torch.Tensor:
-    """The batch-invariant cpu backend's: every step through ``lora_add`` in
-    ``native.linear_rows``' order, so a row's adapter product does not depend on the rows
-    beside it."""
+    """The batch-invariant cpu backend's: every step through ``lora_add``, whose product of a
+    row does not depend on the rows beside it."""
     if not in_c(slots, x.dtype):
         raise TypeError(f"the batch-invariant mode's LoRA kernel takes {x.dtype} adapters on "
                         "the CPU")
-    return native.lora_add_(x.contiguous(), y, slots.table, mapping.index, fixed_order=True)
+    return native.lora_add_(x.contiguous(), y, slots.table, mapping.index)

@@ -17,7 +17,8 @@ C functions in its profiles (``labelled_for_profiler``).
   contraction; and the row ``argmax`` of greedy sampling.
 - ``cpu_linear.c``: linear layers over a few rows (``linear``: decode steps), reading the
   weights once, bf16 ones widened as they are read (or multiplied as bf16 pairs with
-  AVX512-BF16, when x is bf16 too).
+  AVX512-BF16, when x is bf16 too); and LoRA adapters' products (``lora_add_``, over a
+  projection's ``LoRATable``).
 - ``cpu_int8.c``: weight-only int8 linear layers (``linear_int8``): int8 weights with a float32
   scale per group of inputs (a fixed-point path, VNNI's or AVX2's, for scales per channel and
   per 32, per channel on AMX's int8 tiles where the CPU has them, the same bits; an AVX-512
@@ -74,7 +75,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_linear": (("-ffp-contract=off",), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
         "linear_fixed": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
-        "lora_add": [_ptr, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _i32, _i32],
+        "lora_add": [_ptr, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _i32],
     }),
     # The same for the int8 linear: on an AVX2 host gcc 12 contracted its tile shapes apart.
     # Measured there, one thread, 8192x2048: 1 row unchanged (7.4-7.9 ms either way), 4 rows
@@ -521,7 +522,7 @@ class LoRATable(ctypes.Structure):
     ``kernels.lora.LoRASlots`` keeps one per projection and :meth:`set` refreshes it in place
     when its slots change, so its address (which :class:`DecodeLayers` is given) stays valid."""
 
-    _fields_ = [("num_slots", ctypes.c_int64), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
+    _fields_ = [("num_slots", ctypes.c_int64), ("a", ctypes.c_void_p), ("bt", ctypes.c_void_p),
                 ("rank", ctypes.c_void_p)]
 
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None] = ()) -> None:
@@ -530,28 +531,30 @@ class LoRATable(ctypes.Structure):
 
     def set(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Point at ``pairs`` (contiguous CPU tensors of one dtype, float32 or bf16, every
-        slot's of one ``in`` and ``out``); kept alive here until the next ``set``."""
+        slot's of one ``in`` and ``out``), kept alive here (as ``pairs``) until the next
+        ``set``."""
         present = [p for p in pairs if p is not None]
-        shapes = {(a.shape[1], b.shape[1]) for a, b in present}
-        if len(shapes) > 1 or any(
-                a.dim() != 2 or b.dim() != 2 or b.shape[0] != a.shape[0]
-                or not (a.is_contiguous() and b.is_contiguous())
-                or {a.dtype, b.dtype} != {present[0][0].dtype} or a.device.type != "cpu"
-                or b.device.type != "cpu" for a, b in present):
+        if any(a.dim() != 2 or b.dim() != 2 or b.shape[0] != a.shape[0]
+               or not (a.is_contiguous() and b.is_contiguous())
+               or {a.dtype, b.dtype} != {present[0][0].dtype} or a.device.type != "cpu"
+               or b.device.type != "cpu" for a, b in present) or len(
+                {(a.shape[1], b.shape[1]) for a, b in present}) > 1:
             raise ValueError("a LoRATable needs contiguous CPU pairs A [r, in], Bt [r, out] "
                              "of one dtype and one in and out")
         if present and present[0][0].dtype not in LINEAR_MAX_ROWS:
             raise TypeError(f"no C LoRA kernel for {present[0][0].dtype} adapters")
         n = len(pairs)
-        self._a = (ctypes.c_void_p * n)(*(None if p is None else p[0].data_ptr() for p in pairs))
-        self._b = (ctypes.c_void_p * n)(*(None if p is None else p[1].data_ptr() for p in pairs))
-        self._rank = (ctypes.c_int64 * n)(*(0 if p is None else p[0].shape[0] for p in pairs))
-        self._pairs = list(pairs)
-        self.io = shapes.pop() if shapes else None  # (in, out) of the adapted projection
-        self.dtype = present[0][0].dtype if present else None
+        arrays = ((ctypes.c_void_p * n)(*(None if p is None else p[0].data_ptr() for p in pairs)),
+                  (ctypes.c_void_p * n)(*(None if p is None else p[1].data_ptr() for p in pairs)),
+                  (ctypes.c_int64 * n)(*(0 if p is None else p[0].shape[0] for p in pairs)))
+        # the fields repointed before the arrays they pointed into are let go
+        self.num_slots = 0
+        self.a, self.bt, self.rank = (ctypes.addressof(arr) for arr in arrays)
         self.num_slots = n
-        self.a, self.b, self.rank = (ctypes.addressof(arr) for arr in (self._a, self._b,
-                                                                      self._rank))
+        self._arrays, self.pairs = arrays, list(pairs)
+        # (in, out) of the adapted projection, and the adapters' dtype; None without adapters
+        self.io = (present[0][0].shape[1], present[0][1].shape[1]) if present else None
+        self.dtype = present[0][0].dtype if present else None
 
 
 def lora_tables(tables: Sequence[LoRATable]) -> ctypes.Array:
@@ -560,13 +563,13 @@ def lora_tables(tables: Sequence[LoRATable]) -> ctypes.Array:
     return (ctypes.c_void_p * len(tables))(*(ctypes.addressof(t) for t in tables))
 
 
-def lora_add_(x: torch.Tensor, y: torch.Tensor, table: LoRATable, index: torch.Tensor,
-              fixed_order: bool = False) -> torch.Tensor:
+def lora_add_(x: torch.Tensor, y: torch.Tensor, table: LoRATable,
+              index: torch.Tensor) -> torch.Tensor:
     """``y`` ([M, out]) plus, in place, each row's adapter product of ``x`` ([M, in]): row
     ``m`` of slot ``s = index[m]`` (``[M]`` int32; -1 or a slot the table has no pair for: none)
-    gets ``(x[m] @ A[s].T) @ Bt[s]``, in float32, added and rounded once. The rows of a slot
-    are shrunk by ``linear``'s kernel together (with ``fixed_order``, ``linear_rows``': a row's
-    result whatever the other rows, the batch-invariant mode's), each row expanded alone."""
+    gets ``(x[m] @ A[s].T) @ Bt[s]``, in float32, added and rounded once. A row's result does
+    not depend on the other rows (the slot's rows are shrunk together in ``linear_rows``' order,
+    each expanded alone)."""
     if table.dtype is None:
         return y
     rows = x.shape[0]
@@ -582,7 +585,7 @@ def lora_add_(x: torch.Tensor, y: torch.Tensor, table: LoRATable, index: torch.T
                          "int32 index")
     library("cpu_linear").lora_add(
         x.data_ptr(), y.data_ptr(), _dtype_code(x), ctypes.addressof(table), index.data_ptr(),
-        rows, y.shape[1], x.shape[1], int(fixed_order), torch.get_num_threads(),
+        rows, y.shape[1], x.shape[1], torch.get_num_threads(),
     )
     return y
 

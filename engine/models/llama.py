@@ -33,7 +33,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine.attention import AttentionMetadata, PagedAttention, softmax_scale
 from kernels import Backend, int8, native
 from kernels.cascade import runs_cascade
-from kernels.lora import LoRAMapping, LoRASlots, in_c
+from kernels.lora import LoRAMapping, LoRASlots, c_max_rows, in_c
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Inputs per scale of a bf16/float32 checkpoint quantized to int8 (None: one scale per output
@@ -280,7 +280,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend)
         self._decode_layers: native.DecodeLayers | None = None  # built on first use
-        self._lora_tables: ctypes.Array | None = None  # its adapters' tables, likewise
+        # the projections' adapter tables (kept alive here) and their addresses, likewise
+        self._lora_tables: tuple[list[native.LoRATable], ctypes.Array] | None = None
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         self._decode_layers = None  # .to(), .float(), ...: its weights' addresses may change
@@ -338,7 +339,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         if self._in_one_call(x.shape[0], kv_caches, meta):
             assert self._decode_layers is not None
-            lora = None if meta.lora is None else (self._lora_tables, meta.lora.index)
+            lora = (None if meta.lora is None or self._lora_tables is None
+                    else (self._lora_tables[1], meta.lora.index))
             out = self._decode_layers(x, rope, kv_caches, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, lora)
             return self.norm(out, x)[0]  # x: the residual stream, in place
@@ -361,14 +363,16 @@ class LlamaForCausalLM(nn.Module):
     def _adapters_in_c(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` adapted rows runs their adapters in the C kernel
         layer by layer (``kernels.lora.add_lora_cpu``'s condition), so in one call too: every
-        projection's adapters in its table, and no more rows than ``native.linear`` runs in C."""
+        projection's adapters in its table, and at most ``kernels.lora.c_max_rows`` rows."""
         dtype = self.embed_tokens.weight.dtype
         holders = [getattr(p, "lora", None) for p in self.int8_linears()]
-        if rows > native.linear_max_rows(dtype) or not all(
+        if rows > c_max_rows(dtype) or not all(
                 isinstance(h, LoRASlots) and in_c(h, dtype) for h in holders):
             return False
-        if self._lora_tables is None:
-            self._lora_tables = native.lora_tables([cast(LoRASlots, h).table for h in holders])
+        tables = [cast(LoRASlots, h).table for h in holders]
+        if self._lora_tables is None or any(
+                t is not u for t, u in zip(tables, self._lora_tables[0], strict=True)):
+            self._lora_tables = (tables, native.lora_tables(tables))
         return True
 
     def _in_one_call(self, rows: int, kv_caches: torch.Tensor, meta: AttentionMetadata) -> bool:

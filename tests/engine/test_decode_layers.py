@@ -15,6 +15,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
 from engine.testing import make_random_adapter
 from kernels import native
+from kernels.lora import LORA_C_MAX_ROWS
 
 NUM_NEW = 12
 
@@ -62,6 +63,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
 BOUNDED = native.linear_max_rows(torch.bfloat16) < native.EVERY_ROW_COUNT
 BF16_ROWS = native.linear_max_rows(torch.bfloat16) if BOUNDED else 40
 F32_ROWS = native.linear_max_rows(torch.float32) if BOUNDED else 40
+LORA_ROWS = min(F32_ROWS, LORA_C_MAX_ROWS)  # float32 adapted rows lora_add takes
 
 
 @pytest.fixture
@@ -98,39 +100,41 @@ def test_one_call_matches_layer_by_layer(tiny_models: dict[str, Path], model_nam
     assert _logprobs(ours) == _logprobs(theirs)  # exact: the same kernels on the same values
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [
-    ("float32", None), ("bfloat16", None), ("bfloat16", "int8")])  # int8: bf16 adapters
-def test_one_call_with_adapters_matches_layer_by_layer(tiny_models: dict[str, Path],
-                                                       tmp_path: Path, dtype: str,
-                                                       quantization: str | None) -> None:
+@pytest.mark.parametrize(("dtype", "quantization", "num_prompts"), [
+    ("float32", None, 7), ("bfloat16", None, 7), ("bfloat16", "int8", 7),  # int8: bf16 adapters
+    ("float32", None, LORA_ROWS)])  # as many rows as the C kernel takes adapted
+def test_one_call_with_adapters_matches_layer_by_layer(
+        tiny_models: dict[str, Path], tmp_path: Path, dtype: str, quantization: str | None,
+        num_prompts: int, packed_limit: None) -> None:
     # rows of the base model and of two adapters interleaved: one adapting every projection,
     # one only q (a part of the fused qkv) and down (no pair in the o and gate_up tables)
     model_dir = tiny_models["llama-gqa3-hd10"]
     adapters = {"every": make_random_adapter(model_dir, tmp_path / "every", 8, seed=1),
                 "some": make_random_adapter(model_dir, tmp_path / "some", 4, seed=2,
                                             targets=("q_proj", "down_proj"))}
-    ours, calls, _ = _generate(model_dir, dtype, 7, True, adapters=adapters,
+    ours, calls, _ = _generate(model_dir, dtype, num_prompts, True, adapters=adapters,
                                quantization=quantization)
-    theirs, _, reference = _generate(model_dir, dtype, 7, False, adapters=adapters,
+    theirs, _, reference = _generate(model_dir, dtype, num_prompts, False, adapters=adapters,
                                      quantization=quantization)
-    base, _, _ = _generate(model_dir, dtype, 7, True, quantization=quantization)
+    base, _, _ = _generate(model_dir, dtype, num_prompts, True, quantization=quantization)
     assert calls >= NUM_NEW - 1
     assert reference._decode_layers is None
     assert _logprobs(ours) == _logprobs(theirs)
     mine = _logprobs(ours)
-    assert all(mine[i] != _logprobs(base)[i] for i in range(7) if i % 3)  # adapted rows
-    assert all(mine[i] == _logprobs(base)[i] for i in range(7) if i % 3 == 0)
+    assert all(mine[i] != _logprobs(base)[i] for i in range(num_prompts) if i % 3)  # adapted
+    assert all(mine[i] == _logprobs(base)[i] for i in range(num_prompts) if i % 3 == 0)
 
 
 def test_adapted_steps_take_one_call_where_the_lora_kernel_does(
         tiny_models: dict[str, Path], tmp_path: Path, packed_limit: None) -> None:
-    # as many adapted rows as the C linear (and lora_add with it) takes, not one more
+    # as many adapted rows as lora_add takes, not one more; an adapter of q and down only
+    # leaves the o and gate_up projections' tables without adapters, which do not stop it
     model_dir = tiny_models["llama-mha"]
-    adapters = {"every": make_random_adapter(model_dir, tmp_path / "every", 8, seed=1)}
+    adapters = {"some": make_random_adapter(model_dir, tmp_path / "some", 8, seed=1,
+                                            targets=("q_proj", "down_proj"))}
     _, calls, model = _generate(model_dir, "float32", 2, True, adapters=adapters)
     assert calls >= NUM_NEW - 1
-    limit = native.linear_max_rows(torch.float32)
-    assert model._adapters_in_c(limit) and not model._adapters_in_c(limit + 1)
+    assert model._adapters_in_c(LORA_ROWS) and not model._adapters_in_c(LORA_ROWS + 1)
 
 
 def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Path]) -> None:

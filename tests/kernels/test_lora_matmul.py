@@ -13,6 +13,7 @@ from kernels.lora import (
     LoRAMapping,
     LoRASlots,
     add_lora,
+    add_lora_cpu,
     add_lora_fixed,
     add_lora_reference,
     stack_slots,
@@ -128,14 +129,14 @@ def test_mismatched_shapes_are_refused():
         add_lora_triton(x, y, a, b, torch.zeros(2, dtype=torch.int32))
 
 
-C_CASES = [c for c in CASES if c[4] != torch.float16]  # the C kernel: float32 and bf16
+# The C kernel: float32 and bf16; and outputs over several of its expand's blocks of 512.
+C_CASES = [*(c for c in CASES if c[4] != torch.float16),
+           ([0, 1, -1, 1, 0, 0], 40, 1100, (8, 4), torch.bfloat16)]
 
 
 @pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"),
                          [*C_CASES, *((*c[:4], torch.bfloat16) for c in C_CASES[:1])])
-@pytest.mark.parametrize("fixed_order", [False, True])
-def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dtype,
-                                    fixed_order):
+def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dtype):
     g = torch.Generator().manual_seed(11)
     a, b = _weights(in_features, out_features, ranks, dtype)
     x = torch.randn(len(slots), in_features, generator=g).to(dtype)
@@ -146,7 +147,7 @@ def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dty
     pairs = [(a[s, :r].contiguous(), b[s, :, :r].t().contiguous())
              for s, r in enumerate(ranks)]
     table = native.LoRATable([*pairs[:-1], None])
-    got = native.lora_add_(x, y.clone(), table, index, fixed_order=fixed_order)
+    got = native.lora_add_(x, y.clone(), table, index)
 
     mine = [t for t, s in enumerate(slots) if s != len(ranks) - 1]
     tol = TOLERANCE[dtype] * want.float().abs().max().item()
@@ -156,25 +157,32 @@ def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dty
     assert torch.equal(got[untouched], y[untouched])
 
 
-def test_c_kernel_fixed_order_is_per_row():
-    # A row's product is the same bits alone and among 99 rows of its slot (bf16: the columns
-    # kernel takes many rows in another order than the tiles).
+def test_fixed_order_is_per_row():
+    # The batch-invariant mode's add_lora_fixed: a row's product is the same bits alone and
+    # among 99 rows of its slot (the C linear's tiles at every row count).
     a, b = _weights(256, 320, (16,), torch.bfloat16)
-    table = native.LoRATable([(a[0], b[0].t().contiguous())])
+    slots = LoRASlots([(a[0], b[0].t().contiguous())])
     g = torch.Generator().manual_seed(5)
     x = torch.randn(100, 256, generator=g).to(torch.bfloat16)
     y = torch.randn(100, 320, generator=g).to(torch.bfloat16)
-    index = torch.zeros(100, dtype=torch.int32)
-    batch = native.lora_add_(x, y.clone(), table, index, fixed_order=True)
+    batch = add_lora_fixed(slots, x, y.clone(), _one_slot(100))
     for t in (0, 57, 99):
-        alone = native.lora_add_(x[t : t + 1], y[t : t + 1].clone(), table, index[:1],
-                                 fixed_order=True)
+        alone = add_lora_fixed(slots, x[t : t + 1], y[t : t + 1].clone(), _one_slot(1))
         assert torch.equal(alone[0], batch[t])
+    # the cpu backend's torch path for many rows (prefill) is another order
+    assert not torch.equal(add_lora_cpu(slots, x, y.clone(), _one_slot(100)), batch)
+
+
+def _one_slot(rows: int) -> LoRAMapping:
+    mapping = LoRAMapping.of(np.zeros(rows, dtype=np.int64), torch.device("cpu"))
+    assert mapping is not None
+    return mapping
 
 
 def test_cpu_backend_paths_follow_the_slots_table():
-    # add_lora_fixed reads the table LoRASlots keeps, refreshed when its weights change;
-    # adapters the C kernel cannot take (float16) are refused there, not skipped.
+    # add_lora_fixed reads the table LoRASlots keeps, refreshed when its weights change (here
+    # by in_c: a slot given an adapter without refresh()); adapters the C kernel cannot take
+    # (float16) are refused there, not skipped.
     a, b = _weights(16, 8, (4, 4), torch.float32)
     bt = b.transpose(1, 2).contiguous()
     slots = LoRASlots([(a[0].contiguous(), bt[0]), None])
@@ -184,7 +192,6 @@ def test_cpu_backend_paths_follow_the_slots_table():
     first = add_lora_fixed(slots, x, y.clone(), mapping)
     assert torch.equal(first[1], y[1]) and not torch.equal(first[0], y[0])
     slots.weights[1] = (a[1].contiguous(), bt[1])
-    slots.refresh()
     second = add_lora_fixed(slots, x, y.clone(), mapping)
     torch.testing.assert_close(second, add_lora_reference(x, y, a, b, mapping.index))
     half = LoRASlots([(a[0].half(), bt[0].half())])
