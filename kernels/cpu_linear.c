@@ -724,7 +724,7 @@ struct lora_slots {
 INLINE vf lora_fma(vf a, vf b, vf c) {
 #if VL == 16
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) /* immintrin.h: cpu_avx2.h's */
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
     return a * b + c;
@@ -740,7 +740,10 @@ INLINE void lora_expand(const float *shrunk, int64_t r, const void *bt, const in
     const int64_t step = LORA_VECTORS * VL;
     int64_t n = n0;
     for (; n + step <= n1; n += step) {
-        vf acc[LORA_ROWS][LORA_VECTORS] = {{{0}}};
+        vf acc[LORA_ROWS][LORA_VECTORS];
+        for (int i = 0; i < K; i++)
+            for (int v = 0; v < LORA_VECTORS; v++)
+                acc[i][v] = (vf){0};
         for (int64_t j = 0; j < r; j++) {
             vf b[LORA_VECTORS];
             for (int v = 0; v < LORA_VECTORS; v++)
@@ -754,7 +757,8 @@ INLINE void lora_expand(const float *shrunk, int64_t r, const void *bt, const in
         }
         for (int i = 0; i < K; i++) {
             float g[LORA_VECTORS * VL];
-            memcpy(g, acc[i], sizeof g);
+            for (int v = 0; v < LORA_VECTORS; v++)
+                *(vf_u *)(g + v * VL) = acc[i][v];
             if (BF16) {
                 uint16_t *out = (uint16_t *)y + rows[i] * N + n;
                 for (int64_t e = 0; e < step; e++)

@@ -166,8 +166,11 @@ class LoRASlots:
     # The CPU adapters' addresses for cpu_linear.c's lora_add (what add_lora_cpu and the
     # one-call decode step read): the same object for the holder's life, set by refresh().
     table: native.LoRATable = field(default_factory=native.LoRATable, compare=False)
-    _concat: tuple[tuple[int, ...], tuple[object, ...], torch.Tensor, torch.Tensor,
+    # the slots and pairs it was made of (held, so compared by identity), the layout, the
+    # concatenated A and Bt, each column's slot
+    _concat: tuple[list[tuple[int, object]], tuple[object, ...], torch.Tensor, torch.Tensor,
                    torch.Tensor] | None = None
+    _synced: SlotWeights = field(default_factory=list, compare=False)  # what table was set to
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -180,6 +183,7 @@ class LoRASlots:
         c_ready = all(a.device.type == "cpu" and a.dtype in native.LINEAR_MAX_ROWS
                       and a.is_contiguous() and b.is_contiguous() for a, b in pairs)
         self.table.set(self.weights if c_ready else ())
+        self._synced = list(self.weights)
         self.in_c = c_ready  # the table holds every adapter (it may hold none)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
@@ -188,8 +192,10 @@ class LoRASlots:
         if (len(present) < 2 or x.shape[0] > CONCAT_MAX_ROWS
                 or (self.stacked is not None and x.is_cuda)):
             return add_lora(x, y, self.weights, self.stacked, mapping)
-        key = tuple(v for s in present for v in (s, id(self.weights[s])))
-        if self._concat is None or self._concat[0] != key:
+        made = self._concat[0] if self._concat is not None else []
+        if len(made) != len(present) or any(s != t or p is not self.weights[t] for (s, p), t
+                                             in zip(made, present, strict=True)):
+            key: list[tuple[int, object]] = [(s, self.weights[s]) for s in present]
             pairs = [self.weights[s] for s in present]
             a = torch.cat([p[0] for p in pairs if p is not None])  # [sum R, in]
             bt = torch.cat([p[1] for p in pairs if p is not None])  # [sum R, out]
@@ -208,9 +214,9 @@ class LoRASlots:
 def in_c(slots: LoRASlots, dtype: torch.dtype) -> bool:
     """Whether ``slots``' table holds every adapter it has, for rows of ``dtype`` (refreshed
     first if its slots changed since)."""
-    pairs = slots.table.pairs
-    if len(pairs) != len(slots.weights) or any(
-            p is not q for p, q in zip(pairs, slots.weights, strict=True)):
+    synced = slots._synced
+    if len(synced) != len(slots.weights) or any(
+            p is not q for p, q in zip(synced, slots.weights, strict=True)):
         slots.refresh()
     return slots.in_c and slots.table.dtype in (None, dtype)
 

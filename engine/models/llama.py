@@ -339,8 +339,8 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         if self._in_one_call(x.shape[0], kv_caches, meta):
             assert self._decode_layers is not None
-            lora = (None if meta.lora is None or self._lora_tables is None
-                    else (self._lora_tables[1], meta.lora.index))
+            assert meta.lora is None or self._lora_tables is not None  # set by _in_one_call
+            lora = None if meta.lora is None else (self._lora_tables[1], meta.lora.index)
             out = self._decode_layers(x, rope, kv_caches, meta.slot_mapping, meta.block_tables,
                                       meta.seq_lens, lora)
             return self.norm(out, x)[0]  # x: the residual stream, in place

@@ -108,6 +108,11 @@ def test_concat_follows_the_slots_weights():
     torch.testing.assert_close(second[0], first[0])
     torch.testing.assert_close(second[1], 2 * first[1])
     assert torch.equal(second[2], y[2])
+    # unloaded, then another loaded: Python may give the new pair the freed one's id
+    slots.weights[1] = None
+    slots.weights[1] = (a[1] * 3, bt[1])
+    third = slots.add(x, y.clone(), mapping)
+    torch.testing.assert_close(third[1], 3 * first[1])
 
 
 def test_mapping_segments():
@@ -160,11 +165,11 @@ def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dty
 def test_fixed_order_is_per_row():
     # The batch-invariant mode's add_lora_fixed: a row's product is the same bits alone and
     # among 99 rows of its slot (the C linear's tiles at every row count).
-    a, b = _weights(256, 320, (16,), torch.bfloat16)
+    a, b = _weights(256, 330, (16,), torch.bfloat16)  # 330: a tail past the vectors
     slots = LoRASlots([(a[0], b[0].t().contiguous())])
     g = torch.Generator().manual_seed(5)
     x = torch.randn(100, 256, generator=g).to(torch.bfloat16)
-    y = torch.randn(100, 320, generator=g).to(torch.bfloat16)
+    y = torch.randn(100, 330, generator=g).to(torch.bfloat16)
     batch = add_lora_fixed(slots, x, y.clone(), _one_slot(100))
     for t in (0, 57, 99):
         alone = add_lora_fixed(slots, x[t : t + 1], y[t : t + 1].clone(), _one_slot(1))
