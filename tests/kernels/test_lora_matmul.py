@@ -48,14 +48,19 @@ def _weights(in_features, out_features, ranks, dtype):
     return a.to(dtype), b.to(dtype)
 
 
-@pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"), CASES)
-def test_triton_matches_reference(slots, in_features, out_features, ranks, dtype):
-    g = torch.Generator().manual_seed(7)
+def _case(slots, in_features, out_features, ranks, dtype, seed):
+    """A case's stacked weights, rows x and y, their slots, and the reference's result."""
+    g = torch.Generator().manual_seed(seed)
     a, b = _weights(in_features, out_features, ranks, dtype)
     x = torch.randn(len(slots), in_features, generator=g).to(dtype)
     y = torch.randn(len(slots), out_features, generator=g).to(dtype)
     index = torch.tensor(slots, dtype=torch.int32)
-    want = add_lora_reference(x, y, a, b, index)
+    return a, b, x, y, index, add_lora_reference(x, y, a, b, index)
+
+
+@pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"), CASES)
+def test_triton_matches_reference(slots, in_features, out_features, ranks, dtype):
+    a, b, x, y, index, want = _case(slots, in_features, out_features, ranks, dtype, seed=7)
 
     got = add_lora_triton(x.to(DEVICE), y.clone().to(DEVICE), a.to(DEVICE), b.to(DEVICE),
                           index.to(DEVICE)).cpu()
@@ -142,12 +147,7 @@ C_CASES = [*(c for c in CASES if c[4] != torch.float16),
 @pytest.mark.parametrize(("slots", "in_features", "out_features", "ranks", "dtype"),
                          [*C_CASES, *((*c[:4], torch.bfloat16) for c in C_CASES[:1])])
 def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dtype):
-    g = torch.Generator().manual_seed(11)
-    a, b = _weights(in_features, out_features, ranks, dtype)
-    x = torch.randn(len(slots), in_features, generator=g).to(dtype)
-    y = torch.randn(len(slots), out_features, generator=g).to(dtype)
-    index = torch.tensor(slots, dtype=torch.int32)
-    want = add_lora_reference(x, y, a, b, index)
+    a, b, x, y, index, want = _case(slots, in_features, out_features, ranks, dtype, seed=11)
     # the last slot has no pair for this projection (an adapter that does not adapt it)
     pairs = [(a[s, :r].contiguous(), b[s, :, :r].t().contiguous())
              for s, r in enumerate(ranks)]
