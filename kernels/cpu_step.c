@@ -4,13 +4,13 @@
  *
  * It chains the very kernels the layer-by-layer path calls, in the same order on the same
  * values, so its output is bit-identical to that path: rms_norm, head_norms, silu_mul and
- * rotary from cpu_layer.c, linear_small from cpu_linear.c (linear_int8 from cpu_int8.c for int8
- * projections), reshape_and_cache and paged_decode from cpu_decode.c. They come in as function
- * pointers (`kernels`, in the order of `struct kernels`), since each library is built with its
- * own flags (cpu_layer.c without FMA contraction). The only work done here is what the Python
- * path did with torch between them: the query rows widened to a contiguous float32 [T, H, D],
- * and the attention's float32 output rounded to the model's dtype (to nearest even, as torch
- * rounds).
+ * rotary from cpu_layer.c, linear_small and lora_add from cpu_linear.c (linear_int8 from
+ * cpu_int8.c for int8 projections), reshape_and_cache and paged_decode from cpu_decode.c. They
+ * come in as function pointers (`kernels`, in the order of `struct kernels`), since each
+ * library is built with its own flags (cpu_layer.c without FMA contraction). The only work done
+ * here is what the Python path did with torch between them: the query rows widened to a
+ * contiguous float32 [T, H, D], and the attention's float32 output rounded to the model's
+ * dtype (to nearest even, as torch rounds).
  *
  * Per layer l, with weights[l * 13 ...] = input norm, qkv weight, qkv bias (float32 or NULL),
  * o weight, post-attention norm, gate_up weight, down weight, then the four projections' int8
