@@ -32,12 +32,14 @@ from kernels import native
 CONCAT_MAX_ROWS = 32
 # Most rows add_lora_cpu gives the C kernel (see c_max_rows). One rank-16 adapter on
 # Llama-3.2-1B's qkv, gate_up and down projections (bf16, one slot; a 2-core Zen 4 EPYC,
-# 2026-12-07), ms for the three against torch's two matmuls: 0.14 against 0.32 at 8 rows, 0.49
-# against 0.58 at 32, 0.73 against 0.73 at 48, 0.97 against 0.78 at 64, 1.26 against 0.94 at
-# 96. To 64 rows it loses at most 0.2 ms a layer, and a decode step with adapted rows runs in
-# one C call only as far as it goes (the base model's 64-row steps: 396.8 ms in one call
-# against 484.2 layer by layer, 5.5 ms a layer; kernels.native's LINEAR_MAX_ROWS notes).
-LORA_C_MAX_ROWS = 64
+# 2026-12-07, the expand's bf16 loads and broadcasts in one instruction each), ms for the three
+# against torch's two matmuls: 0.12 against 0.31 at 8 rows, 0.36 against 0.53 at 32, 0.72
+# against 0.90 at 64, 1.06 against 0.96 at 96, 1.37 against 1.14 at 128. At 96 rows it loses
+# 0.1 ms a layer, and a decode step with adapted rows runs in one C call as far as it goes,
+# which saves far more (the base model's 64-row steps: 396.8 ms in one call against 484.2
+# layer by layer, 5.5 ms a layer; kernels.native's LINEAR_MAX_ROWS notes): to 96 rows, bf16's
+# one-call limit there.
+LORA_C_MAX_ROWS = 96
 # slot -> (A [r, in], Bt [r, out]) of the adapters that adapt a projection (None: it does not)
 SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
 

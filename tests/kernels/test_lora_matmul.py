@@ -10,6 +10,7 @@ import torch
 
 from kernels import native
 from kernels.lora import (
+    LORA_C_MAX_ROWS,
     LoRAMapping,
     LoRASlots,
     add_lora,
@@ -164,18 +165,19 @@ def test_c_kernel_matches_reference(slots, in_features, out_features, ranks, dty
 
 def test_fixed_order_is_per_row():
     # The batch-invariant mode's add_lora_fixed: a row's product is the same bits alone and
-    # among 99 rows of its slot (the C linear's tiles at every row count).
+    # among more rows of its slot than add_lora_cpu gives the C kernel (its tiles at every row
+    # count), where add_lora_cpu's torch path (prefill) takes another order.
+    rows = LORA_C_MAX_ROWS + 4
     a, b = _weights(256, 330, (16,), torch.bfloat16)  # 330: a tail past the vectors
     slots = LoRASlots([(a[0], b[0].t().contiguous())])
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(100, 256, generator=g).to(torch.bfloat16)
-    y = torch.randn(100, 330, generator=g).to(torch.bfloat16)
-    batch = add_lora_fixed(slots, x, y.clone(), _one_slot(100))
-    for t in (0, 57, 99):
+    x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+    y = torch.randn(rows, 330, generator=g).to(torch.bfloat16)
+    batch = add_lora_fixed(slots, x, y.clone(), _one_slot(rows))
+    for t in (0, 57, rows - 1):
         alone = add_lora_fixed(slots, x[t : t + 1], y[t : t + 1].clone(), _one_slot(1))
         assert torch.equal(alone[0], batch[t])
-    # the cpu backend's torch path for many rows (prefill) is another order
-    assert not torch.equal(add_lora_cpu(slots, x, y.clone(), _one_slot(100)), batch)
+    assert not torch.equal(add_lora_cpu(slots, x, y.clone(), _one_slot(rows)), batch)
 
 
 def _one_slot(rows: int) -> LoRAMapping:
