@@ -40,6 +40,11 @@ CONCAT_MAX_ROWS = 32
 # layer by layer, 5.5 ms a layer; kernels.native's LINEAR_MAX_ROWS notes): to 96 rows, bf16's
 # one-call limit there.
 LORA_C_MAX_ROWS = 96
+# The same where the kernel runs narrower: bf16 without AVX512-BF16's dot product (the shrink
+# widens), float32 on AVX2 (8 floats a vector, two rows a pass in the expand). An x86-64-v3
+# build on that Zen 4, the three projections: bf16 0.18 against 0.27 ms at 4 rows, 0.33 against
+# 0.31 at 8, 0.66 against 0.45 at 16; float32 0.42 against 0.41 at 16, 0.82 against 0.60 at 32.
+LORA_C_MAX_ROWS_NARROW = {torch.bfloat16: 8, torch.float32: 16}
 # slot -> (A [r, in], Bt [r, out]) of the adapters that adapt a projection (None: it does not)
 SlotWeights = list[tuple[torch.Tensor, torch.Tensor] | None]
 
@@ -225,8 +230,13 @@ def in_c(slots: LoRASlots, dtype: torch.dtype) -> bool:
 
 def c_max_rows(dtype: torch.dtype) -> int:
     """The most rows of ``dtype`` :func:`add_lora_cpu` runs in the C kernel: as many as
-    ``native.linear`` does, to ``LORA_C_MAX_ROWS``."""
-    return min(native.linear_max_rows(dtype), LORA_C_MAX_ROWS)
+    ``native.linear`` does, to ``LORA_C_MAX_ROWS`` (``LORA_C_MAX_ROWS_NARROW`` where this
+    build's kernel widens bf16 or has 8 floats a vector)."""
+    lib = native.library("cpu_linear")
+    narrow = (not lib.linear_has_bf16_dot() if dtype == torch.bfloat16
+              else lib.linear_vector_floats() == 8)
+    limit = LORA_C_MAX_ROWS_NARROW.get(dtype, 0) if narrow else LORA_C_MAX_ROWS
+    return min(native.linear_max_rows(dtype), limit)
 
 
 def add_lora_cpu(slots: LoRASlots, x: torch.Tensor, y: torch.Tensor,

@@ -15,7 +15,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
 from engine.testing import make_random_adapter
 from kernels import native
-from kernels.lora import LORA_C_MAX_ROWS
+from kernels.lora import c_max_rows
 
 NUM_NEW = 12
 
@@ -63,7 +63,7 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
 BOUNDED = native.linear_max_rows(torch.bfloat16) < native.EVERY_ROW_COUNT
 BF16_ROWS = native.linear_max_rows(torch.bfloat16) if BOUNDED else 40
 F32_ROWS = native.linear_max_rows(torch.float32) if BOUNDED else 40
-LORA_ROWS = min(F32_ROWS, LORA_C_MAX_ROWS)  # float32 adapted rows lora_add takes
+LORA_ROWS = min(F32_ROWS, c_max_rows(torch.float32))  # float32 adapted rows lora_add takes
 
 
 @pytest.fixture
