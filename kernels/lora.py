@@ -175,9 +175,11 @@ class LoRASlots:
     table: native.LoRATable = field(default_factory=native.LoRATable, compare=False)
     # the slots and pairs it was made of (held, so compared by identity), the layout, the
     # concatenated A and Bt, each column's slot
-    _concat: tuple[list[tuple[int, object]], tuple[object, ...], torch.Tensor, torch.Tensor,
-                   torch.Tensor] | None = None
+    _concat: tuple[list[tuple[int, tuple[torch.Tensor, torch.Tensor]]], tuple[object, ...],
+                   torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _synced: SlotWeights = field(default_factory=list, compare=False)  # what table was set to
+    # whether the table holds every adapter of weights (it may hold none), set by refresh()
+    c_ready: bool = field(default=False, init=False, compare=False)
 
     def __post_init__(self) -> None:
         self.refresh()
@@ -191,7 +193,7 @@ class LoRASlots:
                       and a.is_contiguous() and b.is_contiguous() for a, b in pairs)
         self.table.set(self.weights if c_ready else ())
         self._synced = list(self.weights)
-        self.in_c = c_ready  # the table holds every adapter (it may hold none)
+        self.c_ready = c_ready
 
     def add(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``y`` plus each row's adapter product."""
@@ -202,15 +204,12 @@ class LoRASlots:
         made = self._concat[0] if self._concat is not None else []
         if len(made) != len(present) or any(s != t or p is not self.weights[t] for (s, p), t
                                              in zip(made, present, strict=True)):
-            key: list[tuple[int, object]] = [(s, self.weights[s]) for s in present]
-            pairs = [self.weights[s] for s in present]
-            a = torch.cat([p[0] for p in pairs if p is not None])  # [sum R, in]
-            bt = torch.cat([p[1] for p in pairs if p is not None])  # [sum R, out]
+            key = [(s, p) for s in present if (p := self.weights[s]) is not None]
+            a = torch.cat([p[0] for _, p in key])  # [sum R, in]
+            bt = torch.cat([p[1] for _, p in key])  # [sum R, out]
             col_slot = torch.cat([torch.full((p[0].shape[0],), s, dtype=torch.int32)
-                                  for s, p in zip(present, pairs, strict=True)
-                                  if p is not None]).to(a.device)
-            layout: tuple[object, ...] = tuple(
-                (s, p[0].shape[0]) for s, p in zip(present, pairs, strict=True) if p is not None)
+                                  for s, p in key]).to(a.device)
+            layout: tuple[object, ...] = tuple((s, p[0].shape[0]) for s, p in key)
             self._concat = (key, layout, a, bt, col_slot)
         _, layout, a, bt, col_slot = self._concat
         shrunk = F.linear(x, a)  # [T, C]: every adapter's shrink of every row
@@ -225,7 +224,7 @@ def in_c(slots: LoRASlots, dtype: torch.dtype) -> bool:
     if len(synced) != len(slots.weights) or any(
             p is not q for p, q in zip(synced, slots.weights, strict=True)):
         slots.refresh()
-    return slots.in_c and slots.table.dtype in (None, dtype)
+    return slots.c_ready and slots.table.dtype in (None, dtype)
 
 
 def c_max_rows(dtype: torch.dtype) -> int:

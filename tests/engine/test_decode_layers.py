@@ -201,3 +201,12 @@ def test_decode_layers_refuses_what_it_cannot_run() -> None:
                kv.expand(2, -1, -1, -1, -1, -1).contiguous(),
                torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
                torch.ones(1, dtype=torch.int32))
+    # adapters: four tables a layer and the rows' int32 slots, else refused before the C call
+    table = native.LoRATable()
+    for tables, slots in ((native.lora_tables([table] * 3), torch.zeros(1, dtype=torch.int32)),
+                          (native.lora_tables([table] * 4), torch.zeros(1, dtype=torch.int64)),
+                          (native.lora_tables([table] * 4), torch.zeros(2, dtype=torch.int32))):
+        with pytest.raises(ValueError, match="4 adapter tables a layer"):
+            layers(torch.zeros(1, hidden, dtype=torch.bfloat16), (rope[0][:1], rope[1][:1]), kv,
+                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, dtype=torch.int32), (tables, slots))

@@ -202,7 +202,7 @@ def test_cpu_backend_paths_follow_the_slots_table():
     second = add_lora_fixed(slots, x, y.clone(), mapping)
     torch.testing.assert_close(second, add_lora_reference(x, y, a, b, mapping.index))
     half = LoRASlots([(a[0].half(), bt[0].half())])
-    assert not half.in_c
+    assert not half.c_ready
     with pytest.raises(TypeError, match="adapters"):
         add_lora_fixed(half, x.half(), y.half(), mapping)
 
