@@ -13,7 +13,8 @@ For each shape, printed and appended to ``bench/RESULTS.md``:
   lone request at least llama.cpp's speed);
 - **kvbatch against transformers** at ``--transformers-requests`` (the same kind of requests,
   transformers' static batches of that size, greedy; goal >= 5x at 32), and the ceiling of
-  that ratio on this machine: the longest request's decode steps at a lone step's time each.
+  that ratio on this machine: the longest request's decode steps at a lone step's time each,
+  or the work's FLOPs at torch's best bf16 GEMM rate here, whichever takes longer.
 
 llama.cpp comes from a checkout built as ``bench/peer.py`` says (``--llama-cpp DIR`` with
 ``DIR/build/bin/llama-server``); its ``convert_hf_to_gguf.py`` writes each shape's GGUF once
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import time
 from argparse import Namespace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -43,7 +45,15 @@ from bench import peer
 from bench.int8 import decode_ms, weight_read_bytes
 from bench.load_memory import measure
 from bench.shapes import SHAPES, write_shape
-from bench.throughput import RESULTS_MD, machine, model_shape, native_dtype, run_transformers
+from bench.throughput import (
+    RESULTS_MD,
+    ModelShape,
+    machine,
+    matmul_peak_flops,
+    model_shape,
+    native_dtype,
+    run_transformers,
+)
 from bench.workloads import Workload, shared_system_workload
 from engine import EngineConfig, LLMEngine
 from engine.models.loader import cache_dir
@@ -93,9 +103,9 @@ def lone_request(engine: LLMEngine) -> float:
 
 
 def versus_transformers(model_dir: Path, n: int, args: Namespace
-                        ) -> tuple[float, float, Workload]:
-    """Useful tokens a second of kvbatch and of transformers on ``n`` requests, and the
-    requests."""
+                        ) -> tuple[float, float, Workload, ModelShape]:
+    """Useful tokens a second of kvbatch and of transformers on ``n`` requests, the requests
+    and the model's shape."""
     engine = peer.kvbatch_engine(args)
     w = shared_system_workload("realsize-hf", engine.tokenizer, n, peer.SYSTEM_TOKENS,
                                peer.USER_TOKENS, peer.OUTPUT_TOKENS, args.seed)
@@ -104,16 +114,41 @@ def versus_transformers(model_dir: Path, n: int, args: Namespace
     del engine
     # transformers at its best on this CPU: bf16 where it has bf16 arithmetic, else float32
     base = run_transformers(model_dir, getattr(torch, native_dtype()), w, n, shape, pad)
-    return tokens / seconds, base.useful_tokens / base.wall_s, w
+    return tokens / seconds, base.useful_tokens / base.wall_s, w, shape
 
 
-def ceiling(w: Workload, lone_ms: float) -> tuple[float, float]:
-    """The least seconds any engine reading the weights once a decode step needs for ``w``,
-    and the useful tokens a second that makes: its longest request's tokens after the first,
-    one decode step each, each at least a lone request's step (a step of more rows reads the
-    same weights). Prefill is left out, so the true floor is higher."""
-    seconds = (max(w.max_tokens) - 1) * lone_ms / 1000
-    return seconds, w.num_output_tokens / seconds
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with (an engine with a prefix cache computes them once)."""
+    first = prompts[0]
+    return next((i for i in range(len(first)) if any(
+        len(p) <= i or p[i] != first[i] for p in prompts)), len(first))
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The least seconds any engine needs for a workload on this machine, two ways."""
+
+    memory_s: float  # the longest request's decode steps, each at least a lone step
+    flops: float  # the work: the shared prefix once, every other prompt and output token
+    compute_s: float  # ``flops`` at the best GEMM rate measured here
+    useful_tok_s: float  # the workload's useful tokens over the larger of the two
+
+
+def ceiling(w: Workload, lone_ms: float, shape: ModelShape, flop_s: float) -> Ceiling:
+    """The most useful tokens a second any engine could reach on ``w``, from two floors:
+
+    - memory: its longest request's tokens after the first, one decode step each, each at least
+      a lone request's step (a step of more rows reads the same weights);
+    - compute: the work's FLOPs (:meth:`ModelShape.flops`; the prompts' shared prefix once,
+      as a prefix cache computes it) at ``flop_s``, torch's best GEMM rate measured here (a
+      kernel at the cores' own peak could beat it by the margin between the two)."""
+    memory_s = (max(w.max_tokens) - 1) * lone_ms / 1000
+    common = shared_prefix(w.prompts)
+    runs = [(0, common)] + [(common, len(p) - common) for p in w.prompts] + [
+        (len(p), m - 1) for p, m in zip(w.prompts, w.max_tokens, strict=True)]
+    flops = shape.flops(runs, sampled=w.num_output_tokens)
+    compute_s = flops / flop_s
+    return Ceiling(memory_s, flops, compute_s, w.num_output_tokens / max(memory_s, compute_s))
 
 
 def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> list[str]:
@@ -167,13 +202,18 @@ def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> lis
             say(f"- lone request, the same prompt: kvbatch {ours:.1f}, llama.cpp {theirs:.1f} "
                 f"ms a token = {theirs / ours:.2f}x its speed")
     if args.transformers_requests:
-        ours, theirs, w = versus_transformers(model_dir, args.transformers_requests, sub)
+        ours, theirs, w, shape = versus_transformers(model_dir, args.transformers_requests, sub)
         say(f"- {args.transformers_requests} requests: kvbatch {ours:.1f} useful "
             f"tok/s, transformers {theirs:.1f} = {ours / theirs:.2f}x")
-        floor_s, most = ceiling(w, ms)
+        flop_s = matmul_peak_flops(torch.bfloat16)
+        most = ceiling(w, ms, shape, flop_s)
         say(f"  - the most any engine could reach: {max(w.max_tokens) - 1} decode steps after "
             f"the longest request's first token, each at least a lone step's {ms:.1f} ms = "
-            f"{floor_s:.1f} s, {most:.1f} useful tok/s = {most / theirs:.2f}x transformers")
+            f"{most.memory_s:.1f} s; the work, {most.flops / 1e12:.2f} TFLOP (the shared "
+            f"prompt once), at torch's best bf16 GEMM here ({flop_s / 1e9:.0f} GFLOP/s) = "
+            f"{most.compute_s:.1f} s; so {most.useful_tok_s:.1f} useful tok/s = "
+            f"{most.useful_tok_s / theirs:.2f}x transformers, and kvbatch at "
+            f"{ours / most.useful_tok_s:.0%} of it")
     return lines
 
 

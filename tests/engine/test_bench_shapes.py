@@ -101,16 +101,30 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     most, most_ratio = (float(x) for x in re.findall(
         r"(\d+\.\d+) useful tok/s = (\d+\.\d+)x transformers", ceiling_line)[0])
     assert most > 0 and most_ratio == pytest.approx(most / theirs, abs=0.01)
+    (share,) = re.findall(r"kvbatch at (\d+)% of it$", ceiling_line)
+    assert int(share) == pytest.approx(100 * ours / most, abs=1), ceiling_line
+    assert re.search(r"the work, \d+\.\d\d TFLOP \(the shared prompt once\), at torch's "
+                     r"best bf16 GEMM here \(\d+ GFLOP/s\) = \d+\.\d s;", ceiling_line)
 
 
-def test_the_ceiling_is_the_longest_request_at_a_lone_step() -> None:
+def test_the_ceiling_is_the_slower_of_memory_and_compute() -> None:
     """Requests of 5 and 9 tokens at 10 ms a lone step: 8 decode steps after the longest's
-    first token, 0.08 s, for the workload's 14 useful tokens."""
-    from bench.realsize import ceiling
+    first token, 0.08 s, for the workload's 14 useful tokens. Their work on a shape of 1,000
+    weights a token (no attention, no lm_head): the shared prefix [7, 1] once, then 1 + 2
+    prompt tokens and 4 + 8 decode tokens, 17 tokens of 2,000 FLOPs."""
+    from bench.realsize import ceiling, shared_prefix
+    from bench.throughput import ModelShape
     from bench.workloads import Workload
 
-    seconds, tok_s = ceiling(Workload("two", [[1, 2], [3]], [5, 9]), 10.0)
-    assert seconds == pytest.approx(0.08) and tok_s == pytest.approx(175.0)
+    w = Workload("two", [[7, 1, 2], [7, 1, 3, 4]], [5, 9])
+    shape = ModelShape(num_layers=0, hidden=0, q_size=0, vocab=0, params_per_token=1000,
+                       kv_bytes_per_token=0)
+    fast = ceiling(w, 10.0, shape, flop_s=1e6)  # 34,000 FLOPs take 0.034 s: memory bounds
+    assert (fast.memory_s, fast.flops, fast.compute_s) == pytest.approx((0.08, 34e3, 0.034))
+    assert fast.useful_tok_s == pytest.approx(175.0)
+    slow = ceiling(w, 10.0, shape, flop_s=1e5)  # 0.34 s: compute bounds
+    assert slow.compute_s == pytest.approx(0.34) and slow.useful_tok_s == pytest.approx(14 / 0.34)
+    assert [shared_prefix(p) for p in ([[1, 2], [1, 2, 3]], [[1], [2]], [[5, 6]])] == [2, 0, 2]
 
 
 def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
