@@ -14,7 +14,8 @@ For each shape, printed and appended to ``bench/RESULTS.md``:
 - **kvbatch against transformers** at ``--transformers-requests`` (the same kind of requests,
   transformers' static batches of that size, greedy; goal >= 5x at 32), and the ceiling of
   that ratio on this machine: the longest request's decode steps at a lone step's time each,
-  or the work's FLOPs at torch's best bf16 GEMM rate here, whichever takes longer.
+  or the work's FLOPs at torch's best GEMM rate here (bf16 where the CPU has bf16 arithmetic,
+  else float32, which kvbatch's bf16 GEMMs widen to), whichever takes longer.
 
 llama.cpp comes from a checkout built as ``bench/peer.py`` says (``--llama-cpp DIR`` with
 ``DIR/build/bin/llama-server``); its ``convert_hf_to_gguf.py`` writes each shape's GGUF once
@@ -140,10 +141,11 @@ def ceiling(w: Workload, lone_ms: float, shape: ModelShape, flop_s: float) -> Ce
     - memory: its longest request's tokens after the first, one decode step each, each at least
       a lone request's step (a step of more rows reads the same weights);
     - compute: the work's FLOPs (:meth:`ModelShape.flops`; the prompts' shared prefix once,
-      as a prefix cache computes it) at ``flop_s``, torch's best GEMM rate measured here (a
+      as a prefix cache computes it, but each prompt's last token for each request: its first
+      output token comes from it) at ``flop_s``, torch's best GEMM rate measured here (a
       kernel at the cores' own peak could beat it by the margin between the two)."""
     memory_s = (max(w.max_tokens) - 1) * lone_ms / 1000
-    common = shared_prefix(w.prompts)
+    common = min(shared_prefix(w.prompts), min(map(len, w.prompts)) - 1)
     runs = [(0, common)] + [(common, len(p) - common) for p in w.prompts] + [
         (len(p), m - 1) for p, m in zip(w.prompts, w.max_tokens, strict=True)]
     flops = shape.flops(runs, sampled=w.num_output_tokens)
@@ -205,14 +207,16 @@ def run_shape(name: str, args: Namespace, bandwidth: tuple[float, float]) -> lis
         ours, theirs, w, shape = versus_transformers(model_dir, args.transformers_requests, sub)
         say(f"- {args.transformers_requests} requests: kvbatch {ours:.1f} useful "
             f"tok/s, transformers {theirs:.1f} = {ours / theirs:.2f}x")
-        flop_s = matmul_peak_flops(torch.bfloat16)
+        # the rate kvbatch's GEMMs run at: bf16, widened to float32 without bf16 arithmetic
+        flop_s = matmul_peak_flops(getattr(torch, native_dtype()))
         most = ceiling(w, ms, shape, flop_s)
         say(f"  - the most any engine could reach: {max(w.max_tokens) - 1} decode steps after "
             f"the longest request's first token, each at least a lone step's {ms:.1f} ms = "
             f"{most.memory_s:.1f} s; the work, {most.flops / 1e12:.2f} TFLOP (the shared "
-            f"prompt once), at torch's best bf16 GEMM here ({flop_s / 1e9:.0f} GFLOP/s) = "
-            f"{most.compute_s:.1f} s; so {most.useful_tok_s:.1f} useful tok/s = "
-            f"{most.useful_tok_s / theirs:.2f}x transformers, and kvbatch at "
+            f"prompt once), at torch's best {native_dtype()} GEMM here "
+            f"({flop_s / 1e9:.0f} GFLOP/s) = {most.compute_s:.1f} s; so "
+            f"{most.useful_tok_s:.1f} useful tok/s = {most.useful_tok_s / theirs:.2f}x "
+            "transformers, and kvbatch at "
             f"{ours / most.useful_tok_s:.0%} of it")
     return lines
 

@@ -77,6 +77,12 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=49152,
         tie_word_embeddings=True, max_position_embeddings=1024))
     monkeypatch.setattr(realsize, "LONE_TOKENS", 8)
+    # the compute floor's rate: torch's GEMM in the dtype kvbatch computes in (float32 here,
+    # as on a CPU without bf16 arithmetic; transformers then runs float32 too)
+    monkeypatch.setattr(realsize, "native_dtype", lambda: "float32")
+    probed: list[torch.dtype] = []
+    monkeypatch.setattr(realsize, "matmul_peak_flops",
+                        lambda dtype: (probed.append(dtype), 123e9)[1])
     assert realsize.main(["--shapes", "tiny", "--concurrency", "2", "--transformers-requests",
                           "2", "--models", str(tmp_path / "models"), "--out",
                           str(tmp_path / "out"), "--kv-cache-gib", "0.05",
@@ -104,27 +110,37 @@ def test_realsize_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (share,) = re.findall(r"kvbatch at (\d+)% of it$", ceiling_line)
     assert int(share) == pytest.approx(100 * ours / most, abs=1), ceiling_line
     assert re.search(r"the work, \d+\.\d\d TFLOP \(the shared prompt once\), at torch's "
-                     r"best bf16 GEMM here \(\d+ GFLOP/s\) = \d+\.\d s;", ceiling_line)
+                     r"best float32 GEMM here \(123 GFLOP/s\) = \d+\.\d s;", ceiling_line)
+    assert probed == [torch.float32]
 
 
 def test_the_ceiling_is_the_slower_of_memory_and_compute() -> None:
     """Requests of 5 and 9 tokens at 10 ms a lone step: 8 decode steps after the longest's
     first token, 0.08 s, for the workload's 14 useful tokens. Their work on a shape of 1,000
-    weights a token (no attention, no lm_head): the shared prefix [7, 1] once, then 1 + 2
-    prompt tokens and 4 + 8 decode tokens, 17 tokens of 2,000 FLOPs."""
+    weights a token, one layer of one query lane, a vocabulary of one: the shared prefix [7, 1]
+    once, then 1 + 2 prompt tokens and 4 + 8 decode tokens (17 tokens of 2,000 FLOPs); the
+    attention's 4 FLOPs a (query, key) pair over the runs (0, 2), (2, 1), (2, 2), (3, 4) and
+    (4, 8): 3 + 3 + 7 + 22 + 68 pairs; an lm_head of 2 FLOPs for each of the 14 tokens."""
     from bench.realsize import ceiling, shared_prefix
     from bench.throughput import ModelShape
     from bench.workloads import Workload
 
     w = Workload("two", [[7, 1, 2], [7, 1, 3, 4]], [5, 9])
-    shape = ModelShape(num_layers=0, hidden=0, q_size=0, vocab=0, params_per_token=1000,
+    shape = ModelShape(num_layers=1, hidden=1, q_size=1, vocab=1, params_per_token=1000,
                        kv_bytes_per_token=0)
-    fast = ceiling(w, 10.0, shape, flop_s=1e6)  # 34,000 FLOPs take 0.034 s: memory bounds
-    assert (fast.memory_s, fast.flops, fast.compute_s) == pytest.approx((0.08, 34e3, 0.034))
+    flops = 2000 * 17 + 4 * (3 + 3 + 7 + 22 + 68) + 2 * 14
+    fast = ceiling(w, 10.0, shape, flop_s=1e6)  # 34,440 FLOPs take 0.034 s: memory bounds
+    assert (fast.memory_s, fast.flops, fast.compute_s) == pytest.approx((0.08, flops, flops / 1e6))
     assert fast.useful_tok_s == pytest.approx(175.0)
     slow = ceiling(w, 10.0, shape, flop_s=1e5)  # 0.34 s: compute bounds
-    assert slow.compute_s == pytest.approx(0.34) and slow.useful_tok_s == pytest.approx(14 / 0.34)
-    assert [shared_prefix(p) for p in ([[1, 2], [1, 2, 3]], [[1], [2]], [[5, 6]])] == [2, 0, 2]
+    assert slow.compute_s == pytest.approx(flops / 1e5)
+    assert slow.useful_tok_s == pytest.approx(14 / (flops / 1e5))
+    # Identical prompts share all but their last token, which each request computes for its
+    # first output token: runs (0, 1), (1, 1) twice and (2, 1) twice.
+    same = ceiling(Workload("same", [[5, 6], [5, 6]], [2, 2]), 1.0, shape, flop_s=1e6)
+    assert same.flops == 2000 * 5 + 4 * (1 + 2 + 2 + 3 + 3) + 2 * 4
+    assert [shared_prefix(p) for p in ([[1, 2], [1, 2, 3]], [[1, 2, 3], [1, 2]], [[1], [2]],
+                                       [[1, 2], [1, 2]], [[5, 6]])] == [2, 2, 0, 2, 2]
 
 
 def _decode_rows_on_a_tiny_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
