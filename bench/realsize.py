@@ -19,7 +19,9 @@ For each shape, printed and appended to ``bench/RESULTS.md``:
 
 llama.cpp comes from a checkout built as ``bench/peer.py`` says (``--llama-cpp DIR`` with
 ``DIR/build/bin/llama-server``); its ``convert_hf_to_gguf.py`` writes each shape's GGUF once
-(BF16, or Q8_0 with ``--quantization int8``), with the checkout's own ``gguf-py``.
+(BF16, or Q8_0 with ``--quantization int8``), with the checkout's own ``gguf-py``; the converter
+also imports ``sentencepiece`` (``pip install sentencepiece``; without it llama.cpp is left out
+and the line says why).
 
     python -m bench.realsize --llama-cpp ~/llama.cpp                  # both shapes, bf16
     python -m bench.realsize --shapes llama-3.2-1b --concurrency 32 --quantization int8
