@@ -405,7 +405,11 @@ static void linear_amx(const float *xf, const uint16_t *xh, const uint16_t *w,
  * are K * 2 bytes apart, a multiple of 4 KiB for most models: their bytes of one step share an
  * L1 set, and reading 12 or 24 of them at once thrashed its 8 ways (16 rows ran at 100 GFLOP/s).
  * So every 16 steps the tile copies the rows' next 64 bytes into `stage`, one contiguous block,
- * and broadcasts from there (16 rows: 256 GFLOP/s). Pv and R are constants where inlined. */
+ * and broadcasts from there (16 rows: 256 GFLOP/s). That copy asks for no bytes ahead: the row
+ * streams' prefetch (STREAM_AHEAD on) fell on this tile's own rows two further down at the same
+ * step; without it the 1B's matrices ran 1.02-1.04x faster at 32-96 rows on that EPYC
+ * (bench.kernel_ab, 2 threads; one thread 1.06x at 32 rows). Pv and R are constants where
+ * inlined. */
 INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t *w,
                          const float *bias, void *y, int y_bf16, int64_t N, int64_t K,
                          int64_t m0, int P, int64_t n0, const int Pv, const int R) {
@@ -423,7 +427,6 @@ INLINE void columns_tile(const uint32_t *xp, const uint16_t *xh, const uint16_t 
 #pragma GCC unroll 24
             for (int r = 0; r < R; r++) {
                 _mm512_store_si512(stage + r * 16, _mm512_loadu_si512(wr + r * K + 2 * jb));
-                prefetch_stream(wr + r * K + 2 * jb);
             }
         } else {
             for (int r = 0; r < R; r++)
