@@ -569,7 +569,7 @@ def lora_add_(x: torch.Tensor, y: torch.Tensor, table: LoRATable,
     ``m`` of slot ``s = index[m]`` (``[M]`` int32; -1 or a slot the table has no pair for: none)
     gets ``(x[m] @ A[s].T) @ Bt[s]``, in float32, added and rounded once. A row's result does
     not depend on the other rows (the slot's rows are shrunk together in ``linear_rows``' order,
-    each expanded alone)."""
+    and expanded a few at a time, each output of a row summed over the rank in one order)."""
     if table.dtype is None:
         return y
     rows = x.shape[0]

@@ -3,6 +3,7 @@ layer-by-layer path: the same logprobs bit for bit, and taken exactly where it a
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -15,7 +16,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
 from engine.testing import make_random_adapter
 from kernels import native
-from kernels.lora import c_max_rows
+from kernels.lora import LoRASlots, c_max_rows
 
 NUM_NEW = 12
 
@@ -135,6 +136,16 @@ def test_adapted_steps_take_one_call_where_the_lora_kernel_does(
     _, calls, model = _generate(model_dir, "float32", 2, True, adapters=adapters)
     assert calls >= NUM_NEW - 1
     assert model._adapters_in_c(LORA_ROWS) and not model._adapters_in_c(LORA_ROWS + 1)
+    # the projections' holders replaced (another LoRA manager on the model): the one call's
+    # table addresses follow them, not the old tables'
+    old = [p.lora.table for p in model.int8_linears()]
+    for p in model.int8_linears():
+        setattr(p, "lora", LoRASlots(list(p.lora.weights)))  # noqa: B010
+    assert model._adapters_in_c(1)
+    assert model._lora_tables is not None
+    tables = [ctypes.addressof(p.lora.table) for p in model.int8_linears()]
+    assert list(model._lora_tables[1]) == tables
+    assert not {ctypes.addressof(t) for t in old} & set(tables)
 
 
 def test_moving_the_model_drops_the_weights_addresses(tiny_models: dict[str, Path]) -> None:
