@@ -53,6 +53,7 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
 DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
     "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_FLOAT32_AVX2", "LINEAR_MAX_ROWS_BF16_DOT",
     "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX", "LINEAR_MAX_ROWS_PACKED",
+    "LINEAR_MAX_ROWS_PACKED_AVX512",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_FIXED_GROUPS", "LINEAR_INT8_MAX_ROWS_AMX",
     "LINEAR_INT8_MAX_ROWS_PACKED", "LINEAR_INT8_MAX_ROWS_COLUMNS")}
 

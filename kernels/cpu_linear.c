@@ -484,17 +484,17 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
 #define COLUMNS_FROM 0 /* no columns in this build */
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !HAS_BF16_DOT
 #define HAS_PACKED 1
-/* Many rows on AVX2 (float32 weights, or bf16 widened; x as float32), outside the
- * batch-invariant mode, as a GEMM with the outputs as lanes: a thread takes a block of 16
- * weight rows, packs PACKED_K of their inputs at a time as float32 ([PACKED_K][16]: an input's
- * 16 rows in two vectors, in L1), and takes every x row through them PACKED_M at a time: each x
- * value broadcast, multiplied by the two weight vectors and added into 2 * PACKED_M
- * accumulators, which leave the registers only between two packed runs of inputs (into `sums`,
- * [M][16]). The tiles above keep 16 inputs a lane and sum the lanes at the end; with AVX2's 16
- * registers they reload x for every two weight rows, and widen each bf16 weight again for
- * every x tile.
+/* Many rows where the build has no bf16 dot product (float32 weights, or bf16 widened; x as
+ * float32), outside the batch-invariant mode, as a GEMM with the outputs as lanes: a thread
+ * takes a block of PACKED_ROWS weight rows (two vectors' worth), packs PACKED_K of their inputs
+ * at a time as float32 ([PACKED_K][PACKED_ROWS]: an input's rows in two vectors, in L1), and
+ * takes every x row through them PACKED_M at a time: each x value broadcast, multiplied by the
+ * two weight vectors and added into 2 * PACKED_M accumulators, which leave the registers only
+ * between two packed runs of inputs (into `sums`, [M][PACKED_ROWS]). The tiles above keep VL
+ * inputs a lane and sum the lanes at the end; with AVX2's 16 registers they reload x for every
+ * two weight rows, and widen each bf16 weight again for every x tile.
  *
  * Each output is its products added one after another in the order of K, from 0, each fused
  * into the sum (an FMA), whatever the rows (a lane is one weight row): the same for every row
@@ -504,16 +504,35 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
  * add, and this kernel 1.1-1.3x faster (bf16 products are exact, so bf16 rows by bf16 weights
  * get the same bits either way). From PACKED_FROM rows (the 1B's matrices, 2 threads) it beat
  * the tiles 1.0-1.6x to 128 rows, and torch's GEMM at every row count (see kernels/native.py:
- * LINEAR_MAX_ROWS_PACKED). */
+ * LINEAR_MAX_ROWS_PACKED). With AVX-512 (a 2-core Xeon without AVX512-BF16) 1.2-1.9x the tiles
+ * from 24 rows, and torch's GEMM to 96 rows of float32 weights and 256 of bf16 ones, whole
+ * decode steps to 128 and 256 (LINEAR_MAX_ROWS_PACKED_AVX512); asking for the next run's weights
+ * while this one is packed gained 1.01-1.10x. Neither the block, the tile nor PACKED_K changes an
+ * output's order. */
+#define PACKED_ROWS (2 * VL) /* weight rows a block: two vectors */
+#define PACKED_FROM 24 /* below it the tiles win (one pass over the weights, no packing) */
+#ifdef __AVX512F__
+typedef __m512 packed_vec;
+#define packed_load _mm512_load_ps
+#define packed_loadu _mm512_loadu_ps
+#define packed_storeu _mm512_storeu_ps
+#define PACKED_M 12  /* x rows a tile: 24 accumulators, 2 weight vectors, a broadcast x */
+#define PACKED_K 128 /* inputs packed at a time: 16 KiB of float32 */
+#else
+typedef __m256 packed_vec;
+#define packed_load _mm256_load_ps
+#define packed_loadu _mm256_loadu_ps
+#define packed_storeu _mm256_storeu_ps
 #define PACKED_M 6   /* x rows a tile: 12 accumulators, 2 weight vectors, a broadcast x */
 #define PACKED_K 256 /* inputs packed at a time: 16 KiB of float32 */
-#define PACKED_FROM 24 /* below it the tiles win (one pass over the weights, no packing) */
+#endif
 
-/* Weight rows n0 .. n0 + rows (rows <= 16; the others zero) from w, inputs k0 .. k0 + kc (a
- * multiple of 8), as float32 into pk ([kc][16]): 8 inputs of 8 rows a time, transposed. */
+/* Weight rows n0 .. n0 + rows (rows <= PACKED_ROWS; the others zero) from w, inputs k0 .. k0 +
+ * kc (a multiple of 8), as float32 into pk ([kc][PACKED_ROWS]): 8 inputs of 8 rows a time,
+ * transposed. */
 INLINE void packed_weights(const void *w, int64_t K, int64_t n0, int rows, int64_t k0,
                            int64_t kc, float *pk, const int bf16) {
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < PACKED_ROWS / 8; h++)
         for (int64_t k = 0; k < kc; k += 8) {
             __m256i r[8];
             for (int i = 0; i < 8; i++) {
@@ -526,43 +545,47 @@ INLINE void packed_weights(const void *w, int64_t K, int64_t n0, int rows, int64
                                              16);
                 else
                     r[i] = _mm256_loadu_si256((const __m256i *)((const float *)w + at));
+                if (row < rows && k % (bf16 ? 32 : 16) == 0) /* the next run's line */
+                    __builtin_prefetch((const char *)w + (at + PACKED_K) * (bf16 ? 2 : 4), 0, 2);
             }
             transpose8_epi32(r);
             for (int j = 0; j < 8; j++)
-                _mm256_store_si256((__m256i *)(pk + (k + j) * 16 + 8 * h), r[j]);
+                _mm256_store_si256((__m256i *)(pk + (k + j) * PACKED_ROWS + 8 * h), r[j]);
         }
 }
 
 /* An x value broadcast, times the two weight vectors, added into its row's two accumulators
  * (fused). In asm, as cpu_int8.c's packed_step: from intrinsics GCC copies sums between
  * registers and spills accumulators. */
-INLINE void packed_f32_step(__m256 *lo, __m256 *hi, const float *x, __m256 w0, __m256 w1) {
-    __m256 t;
+INLINE void packed_f32_step(packed_vec *lo, packed_vec *hi, const float *x, packed_vec w0,
+                            packed_vec w1) {
+    packed_vec t;
     __asm__("vbroadcastss %[x], %[t]\n\t"
             "vfmadd231ps %[w0], %[t], %[a0]\n\t"
             "vfmadd231ps %[w1], %[t], %[a1]"
-            : [a0] "+&x"(*lo), [a1] "+x"(*hi), [t] "=&x"(t) /* a0 written before w1 is read */
-            : [x] "m"(*x), [w0] "x"(w0), [w1] "x"(w1));
+            : [a0] "+&v"(*lo), [a1] "+v"(*hi), [t] "=&v"(t) /* a0 written before w1 is read */
+            : [x] "m"(*x), [w0] "v"(w0), [w1] "v"(w1));
 }
 
 /* x rows m0 .. m0 + P (P a constant where inlined) by packed inputs k0 .. k0 + kc, added into
  * their sums. */
 INLINE void packed_tile(const float *xf, int64_t K, int64_t m0, int64_t k0, int64_t kc,
                         const float *pk, float *sums, const int P) {
-    __m256 lo[PACKED_M], hi[PACKED_M];
+    packed_vec lo[PACKED_M], hi[PACKED_M];
     for (int p = 0; p < P; p++) {
-        lo[p] = _mm256_loadu_ps(sums + (m0 + p) * 16);
-        hi[p] = _mm256_loadu_ps(sums + (m0 + p) * 16 + 8);
+        lo[p] = packed_loadu(sums + (m0 + p) * PACKED_ROWS);
+        hi[p] = packed_loadu(sums + (m0 + p) * PACKED_ROWS + VL);
     }
     const float *xr = xf + m0 * K + k0;
     for (int64_t k = 0; k < kc; k++) {
-        const __m256 w0 = _mm256_load_ps(pk + k * 16), w1 = _mm256_load_ps(pk + k * 16 + 8);
+        const packed_vec w0 = packed_load(pk + k * PACKED_ROWS),
+                         w1 = packed_load(pk + k * PACKED_ROWS + VL);
         for (int p = 0; p < P; p++)
             packed_f32_step(&lo[p], &hi[p], xr + p * K + k, w0, w1);
     }
     for (int p = 0; p < P; p++) {
-        _mm256_storeu_ps(sums + (m0 + p) * 16, lo[p]);
-        _mm256_storeu_ps(sums + (m0 + p) * 16 + 8, hi[p]);
+        packed_storeu(sums + (m0 + p) * PACKED_ROWS, lo[p]);
+        packed_storeu(sums + (m0 + p) * PACKED_ROWS + VL, hi[p]);
     }
 }
 
@@ -572,47 +595,49 @@ INLINE void packed_block(const float *xf, const void *w, const float *bias, void
                          int y_bf16, int64_t M, int64_t N, int64_t K, int64_t n0, int rows,
                          float *pk, float *sums, const int bf16) {
     const int64_t kv = K - K % 8;
-    memset(sums, 0, (size_t)M * 16 * sizeof *sums);
+    memset(sums, 0, (size_t)M * PACKED_ROWS * sizeof *sums);
     for (int64_t k0 = 0; k0 < kv; k0 += PACKED_K) {
         const int64_t kc = kv - k0 < PACKED_K ? kv - k0 : PACKED_K;
         packed_weights(w, K, n0, rows, k0, kc, pk, bf16);
         int64_t m0 = 0;
         for (; m0 + PACKED_M <= M; m0 += PACKED_M)
             packed_tile(xf, K, m0, k0, kc, pk, sums, PACKED_M);
-        switch (M - m0) { /* the last tile's rows, a constant in each call */
-        case 5: packed_tile(xf, K, m0, k0, kc, pk, sums, 5); break;
-        case 4: packed_tile(xf, K, m0, k0, kc, pk, sums, 4); break;
-        case 3: packed_tile(xf, K, m0, k0, kc, pk, sums, 3); break;
-        case 2: packed_tile(xf, K, m0, k0, kc, pk, sums, 2); break;
-        case 1: packed_tile(xf, K, m0, k0, kc, pk, sums, 1); break;
+        switch (M - m0) { /* the last tile's rows, a constant in each call (to PACKED_M - 1) */
+#define PACKED_LAST(P)                                                                             \
+    case P: packed_tile(xf, K, m0, k0, kc, pk, sums, P); break;
+            PACKED_LAST(11) PACKED_LAST(10) PACKED_LAST(9) PACKED_LAST(8) PACKED_LAST(7)
+            PACKED_LAST(6) PACKED_LAST(5) PACKED_LAST(4) PACKED_LAST(3) PACKED_LAST(2)
+            PACKED_LAST(1)
+#undef PACKED_LAST
         }
     }
     for (int64_t m = 0; m < M; m++)
         for (int i = 0; i < rows; i++) {
-            float s = sums[m * 16 + i];
+            float s = sums[m * PACKED_ROWS + i];
             for (int64_t k = kv; k < K; k++)
                 s = __builtin_fmaf(xf[m * K + k], w_at(w, (n0 + i) * K + k, bf16), s);
             store_out(y, y_bf16, m * N + n0 + i, s, bias, n0 + i);
         }
 }
 
-/* y for the M float32 x rows xf by N float32 or bf16 weight rows, blocks of 16 weight rows
- * shared by the threads (the last block's rows past N packed as zeros). */
+/* y for the M float32 x rows xf by N float32 or bf16 weight rows, blocks of PACKED_ROWS weight
+ * rows shared by the threads (the last block's rows past N packed as zeros). */
 static void linear_packed(const float *xf, const void *w, int w_bf16, const float *bias,
                           void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
                           int num_threads) {
-    const int64_t blocks = (N + 15) / 16;
+    const int64_t blocks = (N + PACKED_ROWS - 1) / PACKED_ROWS;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *pk = aligned_alloc(64, PACKED_K * 16 * sizeof *pk);
-        float *sums = malloc((size_t)M * 16 * sizeof *sums);
+        float *pk = aligned_alloc(64, PACKED_K * PACKED_ROWS * sizeof *pk);
+        float *sums = malloc((size_t)M * PACKED_ROWS * sizeof *sums);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            const int rows = N - b * 16 < 16 ? (int)(N - b * 16) : 16;
+            const int64_t n0 = b * PACKED_ROWS;
+            const int rows = N - n0 < PACKED_ROWS ? (int)(N - n0) : PACKED_ROWS;
             if (w_bf16)
-                packed_block(xf, w, bias, y, y_bf16, M, N, K, b * 16, rows, pk, sums, 1);
+                packed_block(xf, w, bias, y, y_bf16, M, N, K, n0, rows, pk, sums, 1);
             else
-                packed_block(xf, w, bias, y, y_bf16, M, N, K, b * 16, rows, pk, sums, 0);
+                packed_block(xf, w, bias, y, y_bf16, M, N, K, n0, rows, pk, sums, 0);
         }
         free(sums);
         free(pk);
@@ -691,7 +716,7 @@ static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
 
 /* y = x @ w^T (+ bias) for the M rows of x: bf16 rows by bf16 weights from COLUMNS_FROM rows
  * through the columns (where the build has them and AMX does not take them), any rows from
- * PACKED_FROM through the packed GEMM (AVX2 builds), else the tiles. */
+ * PACKED_FROM through the packed GEMM (builds without the dot product), else the tiles. */
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 0);

@@ -149,6 +149,18 @@ EVERY_ROW_COUNT = 1 << 62
 # 512, 1.07x at a prefill's 1,574; float32 (against F.linear) 1.4-2.1x at 24-128, 1.07x at 512.
 # It won at every row count, so it takes them all.
 LINEAR_MAX_ROWS_PACKED = EVERY_ROW_COUNT
+# float32 and bf16 weights where the kernel has AVX-512's packed GEMM (no AVX512-BF16: Xeons to
+# Ice Lake; 32 weight rows a block, 12 x rows a tile). On a 2-core Xeon without AVX512-BF16 or
+# AMX (2026-12-07, 2 threads), the 1B's 8192x2048 against torch's GEMM as ``linear`` ran it
+# past the old limits: float32 1.17-1.31x at 24-48 rows, 1.08x at 64, 1.04x at 96, 0.98x at 128,
+# 0.86x at 256; bf16 widened 1.26-1.71x at 24-128 rows, 1.05x at 192, 1.00x at 256, 0.98x at
+# 512; against the tiles (the old kernel, to 64 and 24 rows) 1.2-1.9x from 24 rows. Whole decode
+# steps (bench/decode_rows.py, one C call against layer by layer): the 1B in bf16 1.81x at 24
+# rows, 1.51x at 32, 1.40x at 64, 1.21x at 128, 1.05x at 192, 1.08x at 256; SmolLM2 in float32
+# (this CPU's default dtype) 1.19-1.20x at 32, 1.15-1.22x at 64, 1.04-1.05x at 96, 1.07-1.08x
+# at 128, 1.04x at 192. With the tiles the same SmolLM2 steps had tied torch at 32 rows and lost
+# at 64 (0.83-0.84x), where the old limit still sent them.
+LINEAR_MAX_ROWS_PACKED_AVX512 = {torch.float32: 128, torch.bfloat16: 256}
 LINEAR_MAX_ROWS_BF16_DOT = 96
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5
 LINEAR_MAX_ROWS_BF16_AMX = 32
@@ -225,10 +237,13 @@ def linear_max_rows(dtype: torch.dtype) -> int:
     (built with them, and granted them by the OS), ``LINEAR_MAX_ROWS_BF16_TORCH_AMX`` where
     only torch's bf16 GEMM does (:func:`cpu_has_amx`); for float32
     ``LINEAR_MAX_ROWS_FLOAT32_AVX2`` where the kernel was built 8 floats a vector; for both,
-    ``LINEAR_MAX_ROWS_PACKED`` (every row count) where it has AVX2's packed GEMM."""
+    ``LINEAR_MAX_ROWS_PACKED`` (every row count) where it has AVX2's packed GEMM, and
+    ``LINEAR_MAX_ROWS_PACKED_AVX512`` where it has AVX-512's."""
     lib = library("cpu_linear")
     if dtype in LINEAR_MAX_ROWS and lib.linear_packed_from():
-        return LINEAR_MAX_ROWS_PACKED
+        if lib.linear_vector_floats() == 8:
+            return LINEAR_MAX_ROWS_PACKED
+        return LINEAR_MAX_ROWS_PACKED_AVX512[dtype]
     if dtype == torch.float32 and lib.linear_vector_floats() == 8:
         return LINEAR_MAX_ROWS_FLOAT32_AVX2
     if dtype == torch.bfloat16 and lib.linear_has_bf16_dot():
@@ -249,9 +264,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
     Up to ``linear_max_rows(weight.dtype)`` rows of ``x`` ([M, K], float32 or bf16) go through
     the C kernel, which reads a float32 or bf16 ``weight`` ([N, K]) once (every row count
-    where it has AVX2's packed GEMM). More rows go to torch's GEMM, in float32 when the weight
-    is bf16 and the CPU has no bf16 arithmetic (widened first: exact, and still far faster than
-    torch's bf16 GEMM there).
+    where it has AVX2's packed GEMM; 128 and 256 where it has AVX-512's). More rows go to
+    torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic (widened
+    first: exact, and still far faster than torch's bf16 GEMM there).
     """
     if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
             x.dtype in LINEAR_MAX_ROWS):

@@ -60,8 +60,9 @@ def _logprobs(outputs: list) -> list[list[tuple[int, float]]]:
 
 
 # The C linear's most rows: bf16 96 (dot), 32 (AMX tiles), 5 or 24; float32 64 (AVX-512) or 32;
-# both every row count on AVX2's packed GEMM, where these tests run 40 (past its 24).
-BOUNDED = native.linear_max_rows(torch.bfloat16) < native.EVERY_ROW_COUNT
+# on the packed GEMMs both every row count (AVX2's) or 128 and 256 (AVX-512's), where these
+# tests run 40 (past their 24).
+BOUNDED = not native.library("cpu_linear").linear_packed_from()
 BF16_ROWS = native.linear_max_rows(torch.bfloat16) if BOUNDED else 40
 F32_ROWS = native.linear_max_rows(torch.float32) if BOUNDED else 40
 LORA_ROWS = min(F32_ROWS, c_max_rows(torch.float32))  # float32 adapted rows lora_add takes
@@ -69,9 +70,11 @@ LORA_ROWS = min(F32_ROWS, c_max_rows(torch.float32))  # float32 adapted rows lor
 
 @pytest.fixture
 def packed_limit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Where the packed GEMM takes every row count, a limit of 40 rows (BF16_ROWS, F32_ROWS),
-    so that steps past it still go layer by layer (elsewhere nothing reads it)."""
+    """Where a packed GEMM takes the most rows, a limit of 40 rows (BF16_ROWS, F32_ROWS), so
+    that steps past it still go layer by layer (elsewhere nothing reads it)."""
     monkeypatch.setattr(native, "LINEAR_MAX_ROWS_PACKED", 40)
+    monkeypatch.setattr(native, "LINEAR_MAX_ROWS_PACKED_AVX512",
+                        dict.fromkeys(native.LINEAR_MAX_ROWS_PACKED_AVX512, 40))
     native.linear_max_rows.cache_clear()
     yield
     native.linear_max_rows.cache_clear()  # the real limit computed again once restored

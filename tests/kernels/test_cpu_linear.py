@@ -24,8 +24,9 @@ KERNELS = {"dispatch": native.linear, "fixed": native.linear_rows,
            "small": lambda x, w, b: native._linear_c("linear_small", x, w, b)}
 
 
-# past linear_max_rows, torch's GEMM: 72 rows with AVX-512 in float32, 100 in bf16 (with AVX2
-# every count takes the packed GEMM from 24: 25 and 26 end on tiles of 1 and 2 rows, 33 of 3)
+# past linear_max_rows, torch's GEMM: 72 rows with AVX-512 in float32, 100 in bf16 (where the
+# build has a packed GEMM, every count from 24 takes it: 25 and 26 end on tiles of 1 and 2 rows,
+# 33 of 3 with AVX2's 6-row tiles, 9 with AVX-512's 12)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 25, 26, 33, 40, 72, 100])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -122,6 +123,14 @@ def test_many_bf16_rows_take_the_columns(n: int, k: int) -> None:
 
 
 PACKED_FROM = native.library("cpu_linear").linear_packed_from()  # 0: none in this build
+_FLAGS = native._cpu_flags().split()
+# Builds of the packed GEMM this CPU runs, by -march: this CPU's own (where it has the GEMM),
+# AVX2's (8 floats a vector) and AVX-512's without the bf16 dot product (16), so that an AVX-512
+# host tests both whatever its own build takes.
+PACKED_BUILDS = [march for march, needs in (
+    ("native", PACKED_FROM > 0), ("haswell", {"avx2", "fma"} <= set(_FLAGS)),
+    ("skylake-avx512", {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"} <= set(_FLAGS)),
+) if needs]
 
 
 def test_without_the_columns_both_entries_are_the_tiles() -> None:
@@ -147,28 +156,38 @@ def _sums_in_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return sums
 
 
-@pytest.mark.skipif(PACKED_FROM == 0, reason="no packed GEMM in this build (AVX2 only)")
+@pytest.mark.skipif(not PACKED_BUILDS, reason="no packed GEMM this CPU runs (AVX2 or AVX-512)")
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-x", "bf16-x"])
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32-w", "bf16-w"])
-def test_many_rows_take_the_packed_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("march", PACKED_BUILDS)
+def test_many_rows_take_the_packed_gemm(x_dtype: torch.dtype, w_dtype: torch.dtype,
+                                        march: str) -> None:
     # From PACKED_FROM rows linear_small adds each output's products in K's order, one weight
-    # row a lane, PACKED_K inputs packed at a time (K = 605: runs of 256, 256 and 88, and 5
-    # inputs past the last 8; 37 weight rows: two blocks of 16 and one of 5), PACKED_M x rows a
-    # tile (41: six tiles of 6 and one of 5). Bf16 values, so every product is exact and the
-    # sums in that order are known bit for bit; the outputs in float32 (from float32 or bf16
-    # rows), then the same rounded to bf16 with the bias added.
+    # row a lane, PACKED_K inputs packed at a time (K = 605: with AVX2 runs of 256, 256 and 88,
+    # with AVX-512 four of 128 and one of 88, and 5 inputs past the last 8; 37 weight rows: two
+    # blocks of 16 and one of 5, or one of 32 and one of 5), PACKED_M x rows a tile (6 or 12; 41
+    # rows end on a tile of 5, and every count to 13 past PACKED_FROM on every last tile's size).
+    # Bf16 values, so every product is exact and the sums in that order are known bit for bit;
+    # the outputs in float32 (from float32 or bf16 rows), then the same rounded to bf16 with the
+    # bias added. AVX2's build and AVX-512's get the same bits.
+    lib = native.library("cpu_linear", march=march)
+    packed_from = lib.linear_packed_from()
+    assert packed_from > 0
     gen = torch.Generator().manual_seed(17)
     scale = 2.0 ** torch.randint(-10, 10, (41, 605), generator=gen)  # orders show in the sums
     x = (torch.randn(41, 605, generator=gen) * scale).to(torch.bfloat16).to(x_dtype)
     weight = torch.randn(37, 605, generator=gen).to(torch.bfloat16).to(w_dtype)
     bias = torch.randn(37, generator=gen)
     sums = _sums_in_order(x, weight)
-    for rows in (slice(0, 41), slice(0, PACKED_FROM), slice(13, 13 + PACKED_FROM)):
+    counts = [slice(0, rows) for rows in range(packed_from, min(41, packed_from + 14))]
+    for rows in (slice(0, 41), slice(13, 13 + packed_from), *counts):
         out = torch.empty(rows.stop - rows.start, 37)  # float32 sums of x_dtype rows
-        native.library("cpu_linear").linear_small(
+        lib.linear_small(
             x[rows].data_ptr(), int(x_dtype == torch.bfloat16), weight.data_ptr(),
             int(w_dtype == torch.bfloat16), None, out.data_ptr(), 0, out.shape[0], 37, 605, 2)
-        assert torch.equal(out, sums[rows])
+        assert torch.equal(out, sums[rows]), f"{rows.stop - rows.start} rows"
+    if march != "native":
+        return  # the rest through kernels.native, which takes this CPU's build
     out = native._linear_c("linear_small", x.to(torch.bfloat16), weight, bias)
     assert torch.equal(out, (sums + bias).to(torch.bfloat16))
     fewer = x[: PACKED_FROM - 1]  # the tiles: another order
@@ -177,10 +196,10 @@ def test_many_rows_take_the_packed_gemm(x_dtype: torch.dtype, w_dtype: torch.dty
     assert not torch.equal(native.linear_rows(x.float(), weight), sums)
 
 
-def test_the_build_has_the_packed_gemm_where_the_cpu_has_avx2_alone() -> None:
-    # Otherwise an AVX2 host would test the tiles where users get the packed GEMM.
-    flags = native._cpu_flags().split()
-    assert (PACKED_FROM > 0) == ("avx2" in flags and "fma" in flags and "avx512f" not in flags)
+def test_the_build_has_the_packed_gemm_where_the_cpu_has_no_bf16_dot_product() -> None:
+    # Otherwise an AVX2 host, or an AVX-512 one without AVX512-BF16, would test the tiles where
+    # users get the packed GEMM.
+    assert (PACKED_FROM > 0) == ({"avx2", "fma"} <= set(_FLAGS) and "avx512_bf16" not in _FLAGS)
 
 
 @pytest.mark.parametrize("rows", [3, 30])  # 30: the packed GEMM on AVX2
@@ -289,18 +308,21 @@ def test_bf16_rows_take_the_c_kernel_while_it_beats_torch(
     # 96 (a Zen 4 EPYC: on the columns from 32 rows it won to 96, tied from 128). float32 weights
     # take the kernel to 64 rows with AVX-512 (the same EPYC) and to 32 with AVX2; bf16 weights
     # widened (no dot product) to 24 (an AVX2 Zen 3 EPYC). With AVX2's packed GEMM, both take it
-    # at every row count (the same Zen 3: it beat torch's GEMM from 24 rows to a prefill's).
+    # at every row count (the same Zen 3: it beat torch's GEMM from 24 rows to a prefill's); with
+    # AVX-512's, float32 to 128 and bf16 to 256 (a Xeon without AVX512-BF16).
     lib = native.library("cpu_linear")  # before the flags change: they key its build
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
     native.linear_max_rows.cache_clear()
     try:
         dot, tiles = bool(lib.linear_has_bf16_dot()), bool(lib.linear_has_amx())
-        every = native.LINEAR_MAX_ROWS_PACKED if PACKED_FROM else None  # AVX2's packed GEMM
+        avx2 = lib.linear_vector_floats() == 8
+        packed = {torch.bfloat16: native.EVERY_ROW_COUNT if avx2 else 256,
+                  torch.float32: native.EVERY_ROW_COUNT if avx2 else 128} if PACKED_FROM else {}
         assert native.cpu_has_amx() is amx
-        assert native.linear_max_rows(torch.bfloat16) == (every or (
+        assert native.linear_max_rows(torch.bfloat16) == packed.get(torch.bfloat16, (
             32 if dot and tiles else 5 if dot and amx else 96 if dot else 24))
-        assert native.linear_max_rows(torch.float32) == (every or (
-            32 if lib.linear_vector_floats() == 8 else 64))
+        assert native.linear_max_rows(torch.float32) == packed.get(torch.float32, (
+            32 if avx2 else 64))
     finally:
         native.linear_max_rows.cache_clear()
 
