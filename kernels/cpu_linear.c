@@ -505,9 +505,9 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
  * get the same bits either way). From PACKED_FROM rows (the 1B's matrices, 2 threads) it beat
  * the tiles 1.0-1.6x to 128 rows, and torch's GEMM at every row count (see kernels/native.py:
  * LINEAR_MAX_ROWS_PACKED). With AVX-512 (a 2-core Xeon without AVX512-BF16) 1.2-1.9x the tiles
- * from 24 rows, and torch's GEMM to 96 rows of float32 weights and 256 of bf16 ones, whole
- * decode steps to 128 and 256 (LINEAR_MAX_ROWS_PACKED_AVX512); asking for the next run's weights
- * while this one is packed gained 1.01-1.10x. Neither the block, the tile nor PACKED_K changes an
+ * from 24 rows, and torch's GEMM to 96 rows of float32 weights and 192 of bf16 ones (a tie at
+ * 256), whole decode steps to 128 and 256 (LINEAR_MAX_ROWS_PACKED_AVX512); asking for the next
+ * run's weights while this one is packed gained 1.01-1.10x there (not measured on AVX2). Neither the block, the tile nor PACKED_K changes an
  * output's order. */
 #define PACKED_ROWS (2 * VL) /* weight rows a block: two vectors */
 #define PACKED_FROM 24 /* below it the tiles win (one pass over the weights, no packing) */
@@ -526,12 +526,14 @@ typedef __m256 packed_vec;
 #define PACKED_M 6   /* x rows a tile: 12 accumulators, 2 weight vectors, a broadcast x */
 #define PACKED_K 256 /* inputs packed at a time: 16 KiB of float32 */
 #endif
+_Static_assert(PACKED_M == 6 || PACKED_M == 12, "packed_block's last tiles: cases to 5 or 11");
 
 /* Weight rows n0 .. n0 + rows (rows <= PACKED_ROWS; the others zero) from w, inputs k0 .. k0 +
  * kc (a multiple of 8), as float32 into pk ([kc][PACKED_ROWS]): 8 inputs of 8 rows a time,
- * transposed. */
+ * transposed. Each cache line read asks for the one `ahead` weights on into L2: the next run's
+ * (of this block, or the next block's first). */
 INLINE void packed_weights(const void *w, int64_t K, int64_t n0, int rows, int64_t k0,
-                           int64_t kc, float *pk, const int bf16) {
+                           int64_t kc, int64_t ahead, float *pk, const int bf16) {
     for (int h = 0; h < PACKED_ROWS / 8; h++)
         for (int64_t k = 0; k < kc; k += 8) {
             __m256i r[8];
@@ -545,8 +547,8 @@ INLINE void packed_weights(const void *w, int64_t K, int64_t n0, int rows, int64
                                              16);
                 else
                     r[i] = _mm256_loadu_si256((const __m256i *)((const float *)w + at));
-                if (row < rows && k % (bf16 ? 32 : 16) == 0) /* the next run's line */
-                    __builtin_prefetch((const char *)w + (at + PACKED_K) * (bf16 ? 2 : 4), 0, 2);
+                if (row < rows && k % (bf16 ? 32 : 16) == 0)
+                    __builtin_prefetch((const char *)w + (at + ahead) * (bf16 ? 2 : 4), 0, 2);
             }
             transpose8_epi32(r);
             for (int j = 0; j < 8; j++)
@@ -598,16 +600,19 @@ INLINE void packed_block(const float *xf, const void *w, const float *bias, void
     memset(sums, 0, (size_t)M * PACKED_ROWS * sizeof *sums);
     for (int64_t k0 = 0; k0 < kv; k0 += PACKED_K) {
         const int64_t kc = kv - k0 < PACKED_K ? kv - k0 : PACKED_K;
-        packed_weights(w, K, n0, rows, k0, kc, pk, bf16);
+        const int64_t ahead = k0 + kc < kv ? PACKED_K : PACKED_ROWS * K - k0;
+        packed_weights(w, K, n0, rows, k0, kc, ahead, pk, bf16);
         int64_t m0 = 0;
         for (; m0 + PACKED_M <= M; m0 += PACKED_M)
             packed_tile(xf, K, m0, k0, kc, pk, sums, PACKED_M);
         switch (M - m0) { /* the last tile's rows, a constant in each call (to PACKED_M - 1) */
 #define PACKED_LAST(P)                                                                             \
     case P: packed_tile(xf, K, m0, k0, kc, pk, sums, P); break;
+#if PACKED_M > 6
             PACKED_LAST(11) PACKED_LAST(10) PACKED_LAST(9) PACKED_LAST(8) PACKED_LAST(7)
-            PACKED_LAST(6) PACKED_LAST(5) PACKED_LAST(4) PACKED_LAST(3) PACKED_LAST(2)
-            PACKED_LAST(1)
+            PACKED_LAST(6)
+#endif
+            PACKED_LAST(5) PACKED_LAST(4) PACKED_LAST(3) PACKED_LAST(2) PACKED_LAST(1)
 #undef PACKED_LAST
         }
     }

@@ -141,7 +141,7 @@ LINEAR_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 24}
 # 292.7 against 800.1 at 16, 602.5 against 1120.1 at 32, 919.3 against 1294.9 at 64. Not measured
 # on a Xeon.
 LINEAR_MAX_ROWS_FLOAT32_AVX2 = 32
-# A row limit no step reaches: the packed GEMMs take every row count.
+# A row limit no step reaches: AVX2's packed GEMM takes every row count.
 EVERY_ROW_COUNT = 1 << 62
 # float32 and bf16 weights where the kernel has AVX2's packed GEMM (cpu_linear.c's linear_packed,
 # from 24 rows; a 2-core AVX2 Zen 3 EPYC, 2026-12-07, the 1B's four matrices, 2 threads, against
@@ -149,17 +149,17 @@ EVERY_ROW_COUNT = 1 << 62
 # 512, 1.07x at a prefill's 1,574; float32 (against F.linear) 1.4-2.1x at 24-128, 1.07x at 512.
 # It won at every row count, so it takes them all.
 LINEAR_MAX_ROWS_PACKED = EVERY_ROW_COUNT
-# float32 and bf16 weights where the kernel has AVX-512's packed GEMM (no AVX512-BF16: Xeons to
-# Ice Lake; 32 weight rows a block, 12 x rows a tile). On a 2-core Xeon without AVX512-BF16 or
-# AMX (2026-12-07, 2 threads), the 1B's 8192x2048 against torch's GEMM as ``linear`` ran it
-# past the old limits: float32 1.17-1.31x at 24-48 rows, 1.08x at 64, 1.04x at 96, 0.98x at 128,
-# 0.86x at 256; bf16 widened 1.26-1.71x at 24-128 rows, 1.05x at 192, 1.00x at 256, 0.98x at
-# 512; against the tiles (the old kernel, to 64 and 24 rows) 1.2-1.9x from 24 rows. Whole decode
-# steps (bench/decode_rows.py, one C call against layer by layer): the 1B in bf16 1.81x at 24
-# rows, 1.51x at 32, 1.40x at 64, 1.21x at 128, 1.05x at 192, 1.08x at 256; SmolLM2 in float32
-# (this CPU's default dtype) 1.19-1.20x at 32, 1.15-1.22x at 64, 1.04-1.05x at 96, 1.07-1.08x
-# at 128, 1.04x at 192. With the tiles the same SmolLM2 steps had tied torch at 32 rows and lost
-# at 64 (0.83-0.84x), where the old limit still sent them.
+# float32 and bf16 weights where the kernel has AVX-512's packed GEMM (AVX-512 without AVX512-BF16:
+# Skylake-SP, Cascade Lake and Ice Lake Xeons; 32 weight rows a block, 12 x rows a tile). On a
+# 2-core Xeon without AVX512-BF16 or AMX (2026-12-07, 2 threads), the 1B's 8192x2048 against torch's
+# GEMM as ``linear`` ran it past the old limits: float32 1.17-1.31x at 24-48 rows, 1.08x at 64,
+# 1.04x at 96, 0.98x at 128, 0.86x at 256; bf16 widened 1.26-1.71x at 24-128 rows, 1.05x at 192,
+# 1.00x at 256, 0.98x at 512; against the tiles (the old kernel, to 64 and 24 rows) 1.2-1.9x from 24
+# rows. Whole decode steps (bench/decode_rows.py, one C call against layer by layer): the 1B in bf16
+# 1.81x at 24 rows, 1.51x at 32, 1.40x at 64, 1.21x at 128, 1.05x at 192, 1.08x at 256; SmolLM2 in
+# float32 (this CPU's default dtype) 1.19-1.20x at 32, 1.15-1.22x at 64, 1.04-1.05x at 96,
+# 1.07-1.08x at 128, 1.04x at 192. With the tiles the same SmolLM2 steps had tied torch at 32 rows
+# and lost at 64 (0.83-0.84x), where the old limit still sent them.
 LINEAR_MAX_ROWS_PACKED_AVX512 = {torch.float32: 128, torch.bfloat16: 256}
 LINEAR_MAX_ROWS_BF16_DOT = 96
 LINEAR_MAX_ROWS_BF16_TORCH_AMX = 5

@@ -202,7 +202,7 @@ def test_decode_layers_refuses_what_it_cannot_run() -> None:
     layers = native.DecodeLayers([weights(torch.bfloat16)], heads, kv_heads, head_dim, 1e-5,
                                  0.3)
     assert layers.max_rows == native.linear_max_rows(torch.bfloat16)
-    layers.max_rows = 3  # a limit tensors can pass (the packed GEMM's is every row count)
+    layers.max_rows = 3  # a limit tensors can pass (AVX2's packed GEMM's is every row count)
     rows = layers.max_rows + 1
     kv = torch.zeros(1, 2, 4, 8, kv_heads, head_dim, dtype=torch.bfloat16)
     rope = (torch.ones(rows, head_dim, dtype=torch.bfloat16),) * 2

@@ -55,7 +55,7 @@ def test_cpu_linear_rows_do_not_depend_on_the_batch(m, n, k, dtype) -> None:
 
 def test_cpu_linear_rows_keep_one_order_where_the_default_changes_it() -> None:
     # bf16 rows of a wide range of magnitudes, so that the order of a sum shows in its bf16
-    # rounding: 64 rows take the columns (AVX512-BF16) or the packed GEMM (AVX2) in the default
+    # rounding: 64 rows take the columns (AVX512-BF16) or a packed GEMM (without it) in the default
     # linear where the build has them, whose orders are not the tiles'. linear_rows must keep the
     # tiles' (a row alone is a lone stream).
     gen = torch.Generator().manual_seed(11)

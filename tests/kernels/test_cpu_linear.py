@@ -24,10 +24,11 @@ KERNELS = {"dispatch": native.linear, "fixed": native.linear_rows,
            "small": lambda x, w, b: native._linear_c("linear_small", x, w, b)}
 
 
-# past linear_max_rows, torch's GEMM: 72 rows with AVX-512 in float32, 100 in bf16 (where the
-# build has a packed GEMM, every count from 24 takes it: 25 and 26 end on tiles of 1 and 2 rows,
-# 33 of 3 with AVX2's 6-row tiles, 9 with AVX-512's 12)
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 25, 26, 33, 40, 72, 100])
+# past linear_max_rows, torch's GEMM: with AVX512-BF16 72 rows in float32, 100 in bf16; with
+# AVX-512's packed GEMM 260 (past its 128 and 256). A packed GEMM takes every count from 24 to
+# its limit (every count with AVX2's): 25 and 26 end on tiles of 1 and 2 rows, 33 on one of 3
+# with AVX2's 6-row tiles, of 9 with AVX-512's 12.
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 20, 25, 26, 33, 40, 72, 100, 260])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
@@ -202,7 +203,7 @@ def test_the_build_has_the_packed_gemm_where_the_cpu_has_no_bf16_dot_product() -
     assert (PACKED_FROM > 0) == ({"avx2", "fma"} <= set(_FLAGS) and "avx512_bf16" not in _FLAGS)
 
 
-@pytest.mark.parametrize("rows", [3, 30])  # 30: the packed GEMM on AVX2
+@pytest.mark.parametrize("rows", [3, 30])  # 30: a packed GEMM where the build has one
 def test_bf16_outputs_keep_infinities_and_nans(rows: int) -> None:
     # A row with an infinite input gives infinities of its weights' signs, one with a NaN NaNs.
     gen = torch.Generator().manual_seed(3)
