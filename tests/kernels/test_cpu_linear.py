@@ -249,13 +249,17 @@ def test_float32_rows_by_bf16_weights(rows: int) -> None:
                                rtol=0)
 
 
+@pytest.mark.parametrize("x_first", [False, True], ids=["y-transposed", "y-columns"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-x", "bf16-x"])
 def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
-                                              x_dtype: torch.dtype) -> None:
+                                              x_dtype: torch.dtype, x_first: bool) -> None:
     # Past the C kernel's rows, bf16 weights on a CPU without bf16 arithmetic are widened a
     # few rows at a time (here 66 rows of 1539 inputs in chunks of 21: the last one of 3) into one
-    # buffer the next call reuses; batched rows (3-d) come back in their own shape.
+    # buffer the next call reuses; batched rows (3-d) come back in their own shape. y is made
+    # transposed, a chunk's rows at a time, or from CHUNKED_X_FIRST_FROM rows (here every
+    # count) a chunk's columns at a time.
     monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 21 * 4 * 1539)
+    monkeypatch.setattr(native, "CHUNKED_X_FIRST_FROM", 1 if x_first else 1 << 40)
     monkeypatch.setattr(native, "_scratch", native.threading.local())
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 20, 1539, generator=gen).to(x_dtype)

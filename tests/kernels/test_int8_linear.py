@@ -318,17 +318,20 @@ def test_the_fixed_point_path_takes_the_kernel_further() -> None:
     assert native.linear_int8_max_rows(16) == 8
 
 
+@pytest.mark.parametrize("x_first", [False, True], ids=["y-transposed", "y-columns"])
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16-gemm", "widened"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("group", [32, None], ids=["g32", "channel"])
 def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
         monkeypatch: pytest.MonkeyPatch, native_bf16: bool, dtype: torch.dtype,
-        group: int | None) -> None:
+        group: int | None, x_first: bool) -> None:
     # 130 output rows made 24 at a time (the last chunk 10) into one buffer per dtype (a bf16
     # chunk is dequantized through the float32 one), reused by the next call; each chunk's
-    # rows take their own scales.
+    # rows take their own scales. y transposed, or (float32 chunks from CHUNKED_X_FIRST_FROM
+    # rows, here every count) a chunk's columns at a time.
     chunk_dtype = torch.float32 if dtype == torch.float32 or not native_bf16 else dtype
     monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 24 * chunk_dtype.itemsize * 576)
+    monkeypatch.setattr(native, "CHUNKED_X_FIRST_FROM", 1 if x_first else 1 << 40)
     monkeypatch.setattr(native, "_scratch", native.threading.local())
     monkeypatch.setattr(native, "cpu_has_native_bf16", lambda: native_bf16)
     x, q, scale, bias = _case(20, 130, 576, group)
