@@ -278,16 +278,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 # Bytes of weight rows made at a time by ``_linear_chunked`` (bf16 widened, int8 dequantized).
 WIDEN_CHUNK_BYTES = 8 << 20
-# ``_linear_chunked`` multiplies x's rows padded to a multiple of this. torch's float32 GEMM
+# ``_linear_chunked`` multiplies x's rows padded to a multiple of this where it makes y
+# transposed (below ``CHUNKED_X_FIRST_FROM`` rows, or chunks not float32). torch's float32 GEMM
 # (MKL) of a weight chunk by x transposed is slow at row counts off a multiple of 8: on a 2-core
 # AVX2 Zen 3 EPYC, Llama-3.2-1B's 16384x2048 widened took 39.9 ms at 31 rows against 21.9 at
 # 32, 41.7 at 47 against 25.0 at 48, 81.2 at 127 against 62.7 at 128.
 GEMM_ROW_ALIGN = 8
 # From this many rows ``_linear_chunked`` makes y's columns a float32 weight chunk at a time,
-# ``x @ chunk.T`` (F.linear's own layout) into a reused block, instead of y transposed a chunk's
-# rows at a time. On a 2-core Xeon without AVX512-BF16 (2026-12-07), the 1B's 8192x2048 widened
-# on one thread: 107-141 GFLOP/s against 91-128 at 127-1,601 rows (float32 weights in F.linear:
-# 121-148), but 54-58 against 70-71 at 31-32 rows; on both cores 1.03-1.04x at 128-257 rows,
+# ``x @ chunk.T`` (F.linear's own layout) into a block the call's chunks share, instead of y
+# transposed a chunk's rows at a time. On a 2-core Xeon without AVX512-BF16 (2026-12-07), the
+# 1B's 8192x2048 widened on one thread: 107-141 GFLOP/s against 91-128 at 127-1,601 rows
+# (float32 weights in F.linear: 121-148), but 54-58 against 70-71 at 31-32 rows (128 is a
+# cautious limit: 33-126 rows were not measured); on both cores 1.03-1.04x at 128-257 rows,
 # 1.14-1.16x at 512-1,024, 1.40x at a prefill's 1,601; the 1B's 32-request round (bf16,
 # bench/realsize.py) 36.6 useful tok/s against 32.7, 2.80x transformers against 2.62x.
 CHUNKED_X_FIRST_FROM = 128
@@ -314,7 +316,8 @@ def _linear_chunked(x: torch.Tensor, n: int, dtype: torch.dtype,
     Making a whole real-size matrix in a fresh tensor page-faults its every byte: widening
     Llama-3.2-1B's 8192x2048 bf16 up-projection took 43 ms of the 70 a 32-row product took on
     a 2-core AVX2 host (17 ms chunked). The result is in ``x``'s dtype. From
-    ``CHUNKED_X_FIRST_FROM`` rows of float32, y is made a chunk's columns at a time.
+    ``CHUNKED_X_FIRST_FROM`` rows, where the chunks are float32, y is made a chunk's columns
+    at a time (``x @ chunk.T``); else y transposed, a chunk's rows at a time.
     """
     k = x.shape[-1]
     step = max(1, min(n, WIDEN_CHUNK_BYTES // (dtype.itemsize * k)))

@@ -249,6 +249,7 @@ def test_float32_rows_by_bf16_weights(rows: int) -> None:
                                rtol=0)
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch.mm resizing its out= included
 @pytest.mark.parametrize("x_first", [False, True], ids=["y-transposed", "y-columns"])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=["fp32-x", "bf16-x"])
 def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
@@ -256,10 +257,18 @@ def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
     # Past the C kernel's rows, bf16 weights on a CPU without bf16 arithmetic are widened a
     # few rows at a time (here 66 rows of 1539 inputs in chunks of 21: the last one of 3) into one
     # buffer the next call reuses; batched rows (3-d) come back in their own shape. y is made
-    # transposed, a chunk's rows at a time, or from CHUNKED_X_FIRST_FROM rows (here every
-    # count) a chunk's columns at a time.
+    # transposed, a chunk's rows at a time, or from CHUNKED_X_FIRST_FROM rows (here 40 and 41:
+    # x's 40 rows at the limit and one short of it) a chunk's columns at a time.
     monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 21 * 4 * 1539)
-    monkeypatch.setattr(native, "CHUNKED_X_FIRST_FROM", 1 if x_first else 1 << 40)
+    monkeypatch.setattr(native, "CHUNKED_X_FIRST_FROM", 40 if x_first else 41)
+    firsts: list[int] = []  # each product's first operand's rows: x's 40, or a chunk's
+    mm = torch.mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        firsts.append(a.shape[0])
+        return mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", spy)
     monkeypatch.setattr(native, "_scratch", native.threading.local())
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(2, 20, 1539, generator=gen).to(x_dtype)
@@ -270,6 +279,7 @@ def test_widened_in_chunks_through_one_buffer(monkeypatch: pytest.MonkeyPatch,
     expected = _reference(x.reshape(40, 1539), weight, bias).view(2, 20, 66)
     tol = (1e-5 if x_dtype == torch.float32 else 8e-3) * float(expected.abs().max())
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
+    assert firsts == ([40] * 4 if x_first else [21, 21, 21, 3])
     buffer = native._scratch.buffers[torch.float32]
     assert buffer.numel() == 21 * 1539
     native._linear_widened(x[:1], weight[:30], None)

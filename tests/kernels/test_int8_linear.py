@@ -330,6 +330,8 @@ def test_past_the_c_rows_the_weight_is_dequantized_a_chunk_at_a_time(
     # rows take their own scales. y transposed, or (float32 chunks from CHUNKED_X_FIRST_FROM
     # rows, here every count) a chunk's columns at a time.
     chunk_dtype = torch.float32 if dtype == torch.float32 or not native_bf16 else dtype
+    if x_first and chunk_dtype != torch.float32:
+        pytest.skip("bf16 chunks make y transposed at every row count: the case beside this")
     monkeypatch.setattr(native, "WIDEN_CHUNK_BYTES", 24 * chunk_dtype.itemsize * 576)
     monkeypatch.setattr(native, "CHUNKED_X_FIRST_FROM", 1 if x_first else 1 << 40)
     monkeypatch.setattr(native, "_scratch", native.threading.local())
