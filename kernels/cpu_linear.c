@@ -507,8 +507,8 @@ static void linear_columns(const uint16_t *xh, const uint16_t *w, const float *b
  * LINEAR_MAX_ROWS_PACKED). With AVX-512 (a 2-core Xeon without AVX512-BF16) 1.2-1.9x the tiles
  * from 24 rows, and torch's GEMM to 96 rows of float32 weights and 192 of bf16 ones (a tie at
  * 256), whole decode steps to 128 and 256 (LINEAR_MAX_ROWS_PACKED_AVX512); asking for the next
- * run's weights while this one is packed gained 1.01-1.10x there (not measured on AVX2). Neither the block, the tile nor PACKED_K changes an
- * output's order. */
+ * run's weights while this one is packed gained 1.01-1.10x there (not measured on AVX2).
+ * Neither the block, the tile nor PACKED_K changes an output's order. */
 #define PACKED_ROWS (2 * VL) /* weight rows a block: two vectors */
 #define PACKED_FROM 24 /* below it the tiles win (one pass over the weights, no packing) */
 #ifdef __AVX512F__

@@ -323,30 +323,29 @@ def _linear_chunked(x: torch.Tensor, n: int, dtype: torch.dtype,
     step = max(1, min(n, WIDEN_CHUNK_BYTES // (dtype.itemsize * k)))
     buf = _chunk_buffer(step * k, dtype)
     rows = x.numel() // k
-    if dtype == torch.float32 and rows >= CHUNKED_X_FIRST_FROM:
-        xf = x.reshape(rows, k).to(dtype)
+    xr = x.reshape(rows, k).to(dtype)
+    columns = dtype == torch.float32 and rows >= CHUNKED_X_FIRST_FROM
+    if columns:  # y itself, through a block the call's chunks share
         y = torch.empty(rows, n, dtype=dtype)
         block = torch.empty(rows * step, dtype=dtype)
-        for n0 in range(0, n, step):
-            chunk = buf[: min(step, n - n0) * k].view(-1, k)
-            weight_rows(chunk, n0)
-            part = block[: rows * chunk.shape[0]].view(rows, -1)
-            torch.mm(xf, chunk.T, out=part)
-            y[:, n0 : n0 + chunk.shape[0]] = part
-        if bias is not None:
-            y += bias.to(dtype)
-        return y.to(x.dtype).view(*x.shape[:-1], n)
-    # x's rows padded with zeros to a multiple of GEMM_ROW_ALIGN: the padding rows' outputs
-    # are dropped, and the others' sums are unchanged
-    xt = F.pad(x.reshape(rows, k).to(dtype), (0, 0, 0, -rows % GEMM_ROW_ALIGN)).T
-    out_t = torch.empty(n, xt.shape[1], dtype=dtype)  # y transposed, filled by rows
+    else:
+        # x's rows padded with zeros to a multiple of GEMM_ROW_ALIGN: the padding rows' outputs
+        # are dropped, and the others' sums are unchanged
+        xt = F.pad(xr, (0, 0, 0, -rows % GEMM_ROW_ALIGN)).T
+        out_t = torch.empty(n, xt.shape[1], dtype=dtype)  # y transposed, filled by rows
+        y = out_t[:, :rows].T
     for n0 in range(0, n, step):
         chunk = buf[: min(step, n - n0) * k].view(-1, k)
         weight_rows(chunk, n0)
-        torch.mm(chunk, xt, out=out_t[n0 : n0 + chunk.shape[0]])
-    y = out_t[:, :rows].T
+        c = chunk.shape[0]
+        if columns:
+            part = block[: rows * c].view(rows, c)
+            torch.mm(xr, chunk.T, out=part)
+            y[:, n0 : n0 + c] = part
+        else:
+            torch.mm(chunk, xt, out=out_t[n0 : n0 + c])
     if bias is not None:
-        y = y + bias.to(dtype)
+        y += bias.to(dtype)
     return y.to(x.dtype).contiguous().view(*x.shape[:-1], n)
 
 
