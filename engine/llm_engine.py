@@ -85,6 +85,8 @@ class LLMEngine:
                            else loader.iter_safetensors(  # a shard at a time, each tensor
                                model_dir, into=model.weight_destination))  # in its place
         model.eval()
+        if config.pack_cpu_weights:
+            model.pack_weights()
         self.lora = LoRAManager(parse_lora_flags(config.lora), model,
                                 config.lora_memory_bytes) if config.lora else None
 

@@ -653,6 +653,128 @@ static void linear_packed(const float *xf, const void *w, int w_bf16, const floa
 #define PACKED_FROM 0 /* no packed GEMM in this build */
 #endif
 
+/* bf16 rows by bf16 weights packed once, at load, for the dot product (linear_packed_dot):
+ * the weights as [N / 32][K / 2][32] pairs of inputs, a block of 32 rows a pair at a time, so
+ * that one 64-byte load holds one pair of 16 rows (a vector's lanes) and the block streams as
+ * one run. x's pair of inputs is broadcast to every lane, and one vdpbf16ps adds that pair's
+ * products for 16 outputs of one x row: a tile takes PDOT_M x rows by the block's 32 rows (24
+ * accumulators; 2 weight loads and PDOT_M broadcasts a pair) over all of K in registers, with
+ * no horizontal sums and no packing in the call (the per-call packed GEMM spends more on the
+ * transposes than on the products at decode's row counts). The block stays in L2 while every
+ * tile of x passes it, so each weight byte comes from memory once a call, whatever the rows.
+ *
+ * Each output is its pairs' products added in the order of K from 0, whatever the rows (a lane
+ * is one weight row): the columns' order, the same bits, and the same for every row count, so
+ * the batch-invariant mode takes it as it is. Built where there is no dot product, the same
+ * sums in C (each pair's odd product added, then its even one, as vdpbf16ps's definition
+ * does), so the layout works everywhere, though only the dot product's builds pack (see
+ * kernels/native.py: packs_bf16). */
+#define PDOT_ROWS 32 /* weight rows a block */
+#define PDOT_M 12    /* x rows a tile: 24 accumulators */
+#if HAS_BF16_DOT
+/* x's pair broadcast, by the block's two vectors of a pair, added into a row's two
+ * accumulators. In asm, as packed_f32_step. */
+INLINE void pdot_step(__m512 *lo, __m512 *hi, const uint32_t *x, __m512 w0, __m512 w1) {
+    __m512 t;
+    __asm__("vpbroadcastd %[x], %[t]\n\t"
+            "vdpbf16ps %[w0], %[t], %[a0]\n\t"
+            "vdpbf16ps %[w1], %[t], %[a1]"
+            : [a0] "+&v"(*lo), [a1] "+v"(*hi), [t] "=&v"(t)
+            : [x] "m"(*x), [w0] "v"(w0), [w1] "v"(w1));
+}
+#endif
+
+/* sums[p][r] for P x rows (pair j of row p at xt[j * S + p]; P and S constants where inlined)
+ * by the packed block wb ([pairs][32]). A lone x row (the first tile to read the block) asks
+ * for the block's bytes STREAM_AHEAD on. */
+INLINE void pdot_tile(const uint32_t *xt, const uint32_t *wb, int64_t pairs,
+                      float sums[PDOT_M][PDOT_ROWS], const int P, const int S, int stream) {
+#if HAS_BF16_DOT
+    __m512 lo[PDOT_M], hi[PDOT_M];
+    for (int p = 0; p < P; p++)
+        lo[p] = hi[p] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; j++) {
+        if (stream) {
+            prefetch_stream(wb + j * PDOT_ROWS);
+            prefetch_stream(wb + j * PDOT_ROWS + 16);
+        }
+        const __m512 w0 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS);
+        const __m512 w1 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS + 16);
+        for (int p = 0; p < P; p++)
+            pdot_step(&lo[p], &hi[p], xt + j * S + p, w0, w1);
+    }
+    for (int p = 0; p < P; p++) {
+        _mm512_storeu_ps(sums[p], lo[p]);
+        _mm512_storeu_ps(sums[p] + 16, hi[p]);
+    }
+#else
+    (void)stream;
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < PDOT_ROWS; r++)
+            sums[p][r] = 0.0f;
+    for (int64_t j = 0; j < pairs; j++)
+        for (int p = 0; p < P; p++) {
+            const uint32_t xv = xt[j * S + p];
+            const float xe = bf16_to_f32((uint16_t)xv), xo = bf16_to_f32((uint16_t)(xv >> 16));
+            for (int r = 0; r < PDOT_ROWS; r++) {
+                const uint32_t wv = wb[j * PDOT_ROWS + r];
+                sums[p][r] += xo * bf16_to_f32((uint16_t)(wv >> 16));
+                sums[p][r] += xe * bf16_to_f32((uint16_t)wv);
+            }
+        }
+#endif
+}
+
+/* x rows m0 .. m0 + P of a tile (its pairs at xt, S apart) by block b, stored. */
+INLINE void pdot_rows(const uint32_t *xt, const uint32_t *wp, const float *bias, void *y,
+                      int y_bf16, int64_t N, int64_t pairs, int64_t b, int64_t m0, const int P,
+                      const int S, int stream) {
+    float sums[PDOT_M][PDOT_ROWS] __attribute__((aligned(64)));
+    pdot_tile(xt, wp + b * pairs * PDOT_ROWS, pairs, sums, P, S, stream);
+    for (int p = 0; p < P; p++)
+        for (int r = 0; r < PDOT_ROWS; r++)
+            store_out(y, y_bf16, (m0 + p) * N + b * PDOT_ROWS + r, sums[p][r], bias,
+                      b * PDOT_ROWS + r);
+}
+
+/* y = x @ w^T (+ bias) for M bf16 x rows by N (a multiple of PDOT_ROWS) weight rows packed as
+ * linear_packed_dot says, K even. x is packed a tile at a time ([pairs][PDOT_M]: a step's
+ * broadcasts in one line; x's own rows, K * 2 bytes apart, would share L1 sets), tiles as even
+ * as the rows allow; a lone row is read as it is. The threads share the blocks. */
+static void linear_packed_dot(const void *x, const void *wp, const float *bias, void *y, int y_bf16,
+                       int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t pairs = K / 2, blocks = N / PDOT_ROWS;
+    const uint32_t *x2 = x, *w2 = wp;
+    if (M == 1) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t b = 0; b < blocks; b++)
+            pdot_rows(x2, w2, bias, y, y_bf16, N, pairs, b, 0, 1, 1, 1);
+        return;
+    }
+    const int64_t tiles = (M + PDOT_M - 1) / PDOT_M;
+    uint32_t *xp = aligned_alloc(64, (size_t)(tiles * pairs * PDOT_M) * sizeof *xp + 64);
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t m0 = t * M / tiles, P = (t + 1) * M / tiles - m0;
+        for (int64_t j = 0; j < pairs; j++)
+            for (int64_t p = 0; p < PDOT_M; p++)
+                xp[(t * pairs + j) * PDOT_M + p] = p < P ? x2[(m0 + p) * pairs + j] : 0;
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t m0 = t * M / tiles;
+            const uint32_t *xt = xp + t * pairs * PDOT_M;
+            switch ((t + 1) * M / tiles - m0) { /* the tile's rows, a constant in each call */
+#define PDOT_CASE(P)                                                                          \
+    case P: pdot_rows(xt, w2, bias, y, y_bf16, N, pairs, b, m0, P, PDOT_M, t == 0); break;
+                PDOT_CASE(1) PDOT_CASE(2) PDOT_CASE(3) PDOT_CASE(4) PDOT_CASE(5) PDOT_CASE(6)
+                PDOT_CASE(7) PDOT_CASE(8) PDOT_CASE(9) PDOT_CASE(10) PDOT_CASE(11) PDOT_CASE(12)
+#undef PDOT_CASE
+            }
+        }
+    free(xp);
+}
+
 int linear_has_amx(void);
 
 /* The linear for M rows; with fixed_order, each output reduced in one order fixed by K alone
@@ -661,6 +783,10 @@ int linear_has_amx(void);
 static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                    void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads,
                    int fixed_order) {
+    if (w_bf16 == 2) { /* packed for the dot product (bf16 x): every row count, either order */
+        linear_packed_dot(x, w, bias, y, y_bf16, M, N, K, num_threads);
+        return;
+    }
     /* x as float32 (xf), and for bf16 weights with each step's 2 * VL elements split into its
      * even and its odd ones (xa). The dot product and AMX's tiles read the bf16 x: xf then
      * serves only the inputs past the last 2 * VL (32, AMX's step too), and is made only where
@@ -721,7 +847,8 @@ static void linear(const void *x, int x_bf16, const void *w, int w_bf16, const f
 
 /* y = x @ w^T (+ bias) for the M rows of x: bf16 rows by bf16 weights from COLUMNS_FROM rows
  * through the columns (where the build has them and AMX does not take them), any rows from
- * PACKED_FROM through the packed GEMM (builds without the dot product), else the tiles. */
+ * PACKED_FROM through the packed GEMM (builds without the dot product), else the tiles. w_bf16
+ * is 0 for float32 weights, 1 for bf16, 2 for bf16 packed for the dot product (bf16 x). */
 void linear_small(const void *x, int x_bf16, const void *w, int w_bf16, const float *bias,
                   void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     linear(x, x_bf16, w, w_bf16, bias, y, y_bf16, M, N, K, num_threads, 0);

@@ -16,7 +16,9 @@
  * o weight, post-attention norm, gate_up weight, down weight, then the four projections' int8
  * scales (NULL: the projection has weights of the model's dtype, else int8 ones with a float32
  * scale per `group` inputs, 0: per output channel, multiplied by linear_int8 of cpu_int8.c),
- * then the per-head q and k norms' weights (Qwen3's; NULL for models without them). With LoRA
+ * then the per-head q and k norms' weights (Qwen3's; NULL for models without them). With
+ * `packed`, the bf16 projections are packed for the dot product (cpu_linear.c's
+ * linear_packed_dot; linear_small takes them as its weight kind 2). With LoRA
  * adapters in the step (lora not NULL), lora[l * 4 ...] are the qkv, o, gate_up and down
  * projections' adapter tables (cpu_linear.c's struct lora_slots), and each projection's output
  * gets its rows' adapter products (lora_add, slot_of the rows' slots) as it is made:
@@ -81,13 +83,14 @@ static inline const void *adapters(const void *const *lora, int64_t l, int p) {
  * plus the rows' LoRA products when the step has adapters (lora: the projection's table) */
 static void project(const struct kernels *k, const void *const *w, int at, int scale_at,
                     const float *bias, const void *lora, const int32_t *slot_of, const void *x,
-                    void *y, int bf16, int64_t rows, int64_t n, int64_t kdim, int64_t group,
-                    int num_threads) {
+                    void *y, int bf16, int packed, int64_t rows, int64_t n, int64_t kdim,
+                    int64_t group, int num_threads) {
     if (w[scale_at])
         k->linear_int8(x, bf16, w[at], w[scale_at], bias, y, bf16, rows, n, kdim,
                        group ? group : kdim, 0, num_threads);
     else
-        k->linear(x, bf16, w[at], bf16, bias, y, bf16, rows, n, kdim, num_threads);
+        k->linear(x, bf16, w[at], bf16 ? 1 + packed : 0, bias, y, bf16, rows, n, kdim,
+                  num_threads);
     if (lora)
         k->lora(x, y, bf16, lora, slot_of, rows, n, kdim, num_threads);
 }
@@ -98,8 +101,8 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
                    int64_t intermediate, float eps, const void *cos, const void *sin,
                    char *kv, int64_t layer_bytes, int64_t value_bytes, const int64_t *slots,
                    const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                   int64_t block_size, float scale, int64_t group, const void *const *lora,
-                   const int32_t *slot_of, int num_threads) {
+                   int64_t block_size, float scale, int64_t group, int packed,
+                   const void *const *lora, const int32_t *slot_of, int num_threads) {
     const struct kernels *k = (const struct kernels *)kernels;
     const int64_t elem = bf16 ? 2 : 4;
     const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -122,7 +125,7 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
         else
             k->rms_norm(x, residual, w[W_INPUT_NORM], h, rows, hidden, eps, bf16, num_threads);
         project(k, w, W_QKV, W_QKV_SCALE, w[W_QKV_BIAS], adapters(lora, l, LORA_QKV), slot_of,
-                h, qkv, bf16, rows, qkv_width, hidden, group, num_threads);
+                h, qkv, bf16, packed, rows, qkv_width, hidden, group, num_threads);
         if (w[W_Q_NORM]) /* Qwen3: each head of q and of k normed before the rotation */
             k->head_norms(qkv, qkv_width, w[W_Q_NORM], w[W_K_NORM], rows, num_heads,
                           num_kv_heads, head_dim, eps, bf16, num_threads);
@@ -141,13 +144,13 @@ void decode_layers(const void *const *kernels, const void *const *weights, int64
             for (int64_t i = 0; i < rows * q_size; i++)
                 ((uint16_t *)attn)[i] = f32_to_bf16(attn32[i]);
         project(k, w, W_O, W_O_SCALE, NULL, adapters(lora, l, LORA_O), slot_of, attn, o, bf16,
-                rows, hidden, q_size, group, num_threads);
+                packed, rows, hidden, q_size, group, num_threads);
         k->rms_norm(o, residual, w[W_POST_NORM], h, rows, hidden, eps, bf16, num_threads);
         project(k, w, W_GATE_UP, W_GATE_UP_SCALE, NULL, adapters(lora, l, LORA_GATE_UP), slot_of,
-                h, gate_up, bf16, rows, 2 * intermediate, hidden, group, num_threads);
+                h, gate_up, bf16, packed, rows, 2 * intermediate, hidden, group, num_threads);
         k->silu_mul(gate_up, act, rows, intermediate, bf16, num_threads);
         project(k, w, W_DOWN, W_DOWN_SCALE, NULL, adapters(lora, l, LORA_DOWN), slot_of, act, x,
-                bf16, rows, hidden, intermediate, group, num_threads);
+                bf16, packed, rows, hidden, intermediate, group, num_threads);
     }
     free(h);
     free(qkv);

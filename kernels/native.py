@@ -87,7 +87,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_step": ((), {
         "decode_layers": [_ptr, _ptr, _i64, _ptr, _ptr, _i32, _i64, _i64, _i64, _i64, _i64,
                           _i64, _f32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr,
-                          _i64, _f32, _i64, _ptr, _ptr, _i32],
+                          _i64, _f32, _i64, _i32, _ptr, _ptr, _i32],
     }),
 }
 # The kernels cpu_step.c chains, in the order of its ``struct kernels``.
@@ -268,6 +268,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic (widened
     first: exact, and still far faster than torch's bf16 GEMM there).
     """
+    if is_packed(weight):
+        return _linear_c("linear_small", x, weight, bias)
     if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
             x.dtype in LINEAR_MAX_ROWS):
         return _linear_c("linear_small", x, weight, bias)
@@ -363,27 +365,74 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor,
 
     Each output is reduced in one order fixed by ``K`` alone (``cpu_linear.c``'s
     ``linear_fixed``: its tiles at every row count, never the columns ``linear`` takes for
-    many bf16 rows): a row's result does not depend on ``M`` nor on the other rows, which
-    ``kernels.batch_invariant`` relies on.
+    many bf16 rows; a packed weight's kernel, :func:`pack_bf16`, has one order anyway): a row's
+    result does not depend on ``M`` nor on the other rows, which ``kernels.batch_invariant``
+    relies on.
     """
     return _linear_c("linear_fixed", x, weight, bias)
 
 
 def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` through ``cpu_linear.c``'s ``linear_small`` or ``linear_fixed``."""
-    if x.dtype not in LINEAR_MAX_ROWS or weight.dtype not in LINEAR_MAX_ROWS:
+    """``F.linear`` through ``cpu_linear.c``'s ``linear_small`` or ``linear_fixed`` (x's
+    leading dimensions kept where the weight is packed)."""
+    packed = is_packed(weight)
+    if packed and x.dtype != torch.bfloat16:
+        raise TypeError(f"bf16 weights packed for the dot product take bf16 rows, not {x.dtype}")
+    if x.dtype not in LINEAR_MAX_ROWS or not (packed or weight.dtype in LINEAR_MAX_ROWS):
         raise TypeError(f"no C linear for {x.dtype} rows by {weight.dtype} weights")
-    weight, x = weight.contiguous(), x.contiguous()
+    n, k = packed_shape(weight) if packed else weight.shape
+    lead = x.shape[:-1]
+    weight, x = weight.contiguous(), x.reshape(-1, k).contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
-    out = x.new_empty(x.shape[0], weight.shape[0])
+    out = x.new_empty(x.shape[0], n)
     getattr(library("cpu_linear"), function)(
         x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
-        int(weight.dtype == torch.bfloat16), None if bf is None else bf.data_ptr(),
-        out.data_ptr(), int(out.dtype == torch.bfloat16), x.shape[0], weight.shape[0],
-        weight.shape[1], torch.get_num_threads(),
+        2 if packed else int(weight.dtype == torch.bfloat16),
+        None if bf is None else bf.data_ptr(), out.data_ptr(), int(out.dtype == torch.bfloat16),
+        x.shape[0], n, k, torch.get_num_threads(),
     )
-    return out
+    return out.view(*lead, n)
+
+
+# Weight rows a block of bf16 weights packed for the dot product holds (cpu_linear.c's PDOT_ROWS)
+PACKED_BLOCK = 32
+
+
+def packs_bf16() -> bool:
+    """Whether a model's bf16 projections are packed for the dot product at load here
+    (:func:`pack_bf16`): where the C linear has AVX512-BF16's dot product and neither it nor
+    torch's GEMM has AMX's tiles (which take a step's many rows faster than any vector kernel)."""
+    lib = library("cpu_linear")
+    return bool(lib.linear_has_bf16_dot()) and not lib.linear_has_amx() and not cpu_has_amx()
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[N, K]`` weight as ``cpu_linear.c``'s ``linear_packed_dot`` reads it: int32
+    ``[N / 32, K / 2, 32]``, each element a pair of inputs of one row, a block of 32 rows a pair
+    at a time. :func:`linear` and :func:`linear_rows` take it for every row count."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % PACKED_BLOCK or k % 2:
+        raise ValueError(f"packing takes bf16 weights of rows a multiple of {PACKED_BLOCK} and "
+                         f"an even number of inputs, not {weight.dtype} [{n}, {k}]")
+    pairs = weight.contiguous().view(torch.int32)  # [N, K / 2]
+    return pairs.view(n // PACKED_BLOCK, PACKED_BLOCK, k // 2).transpose(1, 2).contiguous()
+
+
+def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[N, K]`` bf16 weight :func:`pack_bf16` packed."""
+    n, k = packed_shape(packed)
+    return packed.transpose(1, 2).contiguous().view(n, k // 2).view(torch.bfloat16)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a bf16 weight packed by :func:`pack_bf16`."""
+    return weight.dtype == torch.int32 and weight.dim() == 3 and weight.shape[2] == PACKED_BLOCK
+
+
+def packed_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """The ``[N, K]`` of a packed weight."""
+    return packed.shape[0] * PACKED_BLOCK, packed.shape[1] * 2
 
 
 # Rows up to which ``linear_int8`` runs the C kernel (see ``linear_int8_max_rows``); past them
@@ -779,6 +828,11 @@ def reshape_and_cache(
     )
 
 
+def _logical(t: torch.Tensor) -> tuple[int, ...]:
+    """A weight's shape, a packed one's as it was before packing (:func:`packed_shape`)."""
+    return packed_shape(t) if is_packed(t) else tuple(t.shape)
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's weights as :class:`DecodeLayers` takes them: the model's own tensors
@@ -832,7 +886,9 @@ class DecodeLayers:
         self.max_rows = (linear_int8_max_rows(self.group) if quantized
                          else linear_max_rows(dtype))
         self.shape = (num_heads, num_kv_heads, head_dim)
-        self.hidden, self.intermediate = layers[0].qkv.shape[1], layers[0].down.shape[1]
+        # bf16 projections packed for the dot product (pack_bf16): every layer's four, or none
+        self.packed = is_packed(layers[0].qkv)
+        self.hidden, self.intermediate = _logical(layers[0].qkv)[1], _logical(layers[0].down)[1]
         self.eps, self.scale = eps, scale
         # float32 biases, as ``linear`` makes them for its kernel; kept alive here
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous()
@@ -844,12 +900,12 @@ class DecodeLayers:
                   (2 * inter, hidden), (hidden, inter))
         for w, bias in zip(layers, self._biases, strict=True):
             tensors = (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)
-            if (tuple(tuple(t.shape) for t in tensors) != shapes
+            if (tuple(_logical(t) for t in tensors) != shapes
                     or (bias is not None and tuple(bias.shape) != (qkv_size,))):
                 raise ValueError("DecodeLayers: the layers' weights do not have the shapes of "
                                  f"{num_heads} heads, {num_kv_heads} KV heads of {head_dim}")
-            dtypes = (dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype,
-                      dtype, torch.int8 if quantized else dtype, torch.int8 if quantized else dtype)
+            projection = (torch.int8 if quantized else torch.int32 if self.packed else dtype)
+            dtypes = (dtype, projection, projection, dtype, projection, projection)
             scales, norms = w.scales or (), w.head_norms or ()
             if (w.head_norms is None) != (layers[0].head_norms is None) or any(
                     t.shape != (head_dim,) for t in norms):
@@ -860,7 +916,7 @@ class DecodeLayers:
                                    strict=True)) or any(
                     s.dtype != torch.float32 or not s.is_contiguous() for s in scales):
                 raise ValueError("DecodeLayers needs contiguous CPU weights of one dtype (int8 "
-                                 "projections with float32 scales)")
+                                 "projections with float32 scales, or all bf16 ones packed)")
             pointers += [w.input_norm.data_ptr(), w.qkv.data_ptr(),
                          None if bias is None else bias.data_ptr(), w.o.data_ptr(),
                          w.post_norm.data_ptr(), w.gate_up.data_ptr(), w.down.data_ptr()]
@@ -915,7 +971,7 @@ class DecodeLayers:
             self.intermediate, self.eps, cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(),
             kv_caches.stride(0) * size, kv_caches.stride(1) * size, slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), kv_caches.shape[3],
-            self.scale, self.group, None if lora is None else lora[0],
+            self.scale, self.group, int(self.packed), None if lora is None else lora[0],
             None if lora is None else lora[1].data_ptr(), torch.get_num_threads(),
         )
         return x

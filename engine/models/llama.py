@@ -9,8 +9,11 @@ those torch ops. Its linear layers call the backend's ``linear``: on the CPU
 ``kernels.native.linear``, a C kernel for the few rows of a decode step (the weights read once,
 bf16 ones widened as read or multiplied as pairs), torch's GEMM for more; and a decode step of
 that few rows runs all its layers in one C call (``kernels.native.DecodeLayers``), the same
-kernels in the same order. In the batch-invariant mode the backend's linear and attention
-reduce each row in one order whatever the batch (``kernels.batch_invariant``). With
+kernels in the same order. Where the C linear has AVX512-BF16's dot product and no AMX, the
+engine packs the projections' bf16 weights once loaded (:meth:`LlamaForCausalLM.pack_weights`)
+for a kernel that takes every row count, prefill's too. In the batch-invariant mode the
+backend's linear and attention reduce each row in one order whatever the batch
+(``kernels.batch_invariant``). With
 ``quantization="int8"`` the attention and MLP projections hold int8 weights with float32 scales
 (``kernels.int8``), quantized as the checkpoint loads, and call the backend's ``linear_int8``
 (the C kernel on the CPU, Triton on CUDA); so does the lm_head (with tied embeddings, an int8
@@ -318,6 +321,26 @@ class LlamaForCausalLM(nn.Module):
         model.rotary = rotary.to(device=device, dtype=dtype)
         return model
 
+    def pack_weights(self) -> bool:
+        """Pack each layer's four projections for the CPU's dot product
+        (``kernels.native.pack_bf16``) where that is this machine's fastest linear
+        (``native.packs_bf16``): with the fused CPU ops, bf16 weights (not int8) on the CPU, and
+        every projection of a packable shape (all or none: one decode call takes them all).
+        Each weight is replaced by its packed copy (one at a time: no second copy of the
+        model). Whether they were packed."""
+        linears = self.int8_linears()
+        weights = [linear.weight for linear in linears]
+        if not (self.fused and native.packs_bf16() and all(
+                w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                and w.shape[0] % native.PACKED_BLOCK == 0 and w.shape[1] % 2 == 0
+                for w in weights)):
+            return False
+        for linear in linears:
+            linear.weight = nn.Parameter(native.pack_bf16(linear.weight.data),
+                                         requires_grad=False)
+        self._decode_layers = None  # holds the weights' addresses
+        return True
+
     def int8_linears(self) -> list[Linear]:
         """The projections ``quantization="int8"`` makes int8: each layer's qkv, o, gate_up
         and down (the embeddings and lm_head stay as they are)."""
@@ -358,6 +381,8 @@ class LlamaForCausalLM(nn.Module):
         qkv = self.layers[0].self_attn.qkv_proj
         if qkv.weight_scale is not None:
             return native.linear_int8_max_rows(int8.scale_group(qkv.weight, qkv.weight_scale))
+        if native.is_packed(qkv.weight):
+            return native.linear_max_rows(torch.bfloat16)
         return native.linear_max_rows(qkv.weight.dtype)
 
     def _adapters_in_c(self, rows: int) -> bool:

@@ -1,0 +1,80 @@
+"""An engine whose bf16 projections are packed for the CPU's dot product
+(``LlamaForCausalLM.pack_weights``) against the same model unpacked: the same weights, the same
+greedy tokens and logprobs to within bf16's rounding, and one decode call as its layer-by-layer
+path. Packing is forced where this CPU would not pack (``kernels.native.packs_bf16``): the C
+linear's portable sums then read the packed weights, so that every machine runs these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.models.llama import LlamaForCausalLM
+from kernels import native
+
+
+def _engine(model_dir: Path, pack: bool, **config: object) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=512,
+                                  pack_cpu_weights=pack, **config))  # type: ignore[arg-type]
+
+
+def _model(engine: LLMEngine) -> LlamaForCausalLM:
+    model = engine.runner.model
+    assert isinstance(model, LlamaForCausalLM)
+    return model
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "packs_bf16", lambda: True)
+
+
+PROMPTS = [[5 + i, 17, 3 * i + 1, 40, 2, 9][: 3 + i % 4] for i in range(6)]
+
+
+@pytest.mark.parametrize("model_name", ["llama-gqa8-tied", "qwen2-bias", "qwen3-sharded"])
+def test_packed_engine_matches_the_unpacked_one(tiny_models: dict[str, Path], model_name: str,
+                                                packs: None) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=3)
+    weights, outputs = {}, {}
+    for pack in (True, False):
+        engine = _engine(tiny_models[model_name], pack)
+        projections = [p.weight for p in _model(engine).int8_linears()]
+        assert all(native.is_packed(w) == pack for w in projections)
+        weights[pack] = [native.unpack_bf16(w) if pack else w for w in projections]
+        outputs[pack] = engine.generate(PROMPTS, params)
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False], strict=True))
+    for ours, theirs in zip(outputs[True], outputs[False], strict=True):
+        # the first token's logprobs: the same prompt, sums in another order
+        first, reference = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
+        assert first.keys() == reference.keys()
+        assert all(abs(first[t] - reference[t]) < 0.05 for t in first)
+        assert ours.token_ids[0] == theirs.token_ids[0]
+
+
+def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: None) -> None:
+    engine = _engine(tiny_models["llama-mha"], True)
+    model = _model(engine)
+    reference = _engine(tiny_models["llama-mha"], True)
+    _model(reference)._in_one_call = lambda *args: False  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3)
+    ours, theirs = engine.generate(PROMPTS, params), reference.generate(PROMPTS, params)
+    assert model._decode_layers is not None and model._decode_layers.packed
+    assert model.one_call_rows() == native.linear_max_rows(torch.bfloat16)
+    assert [o.outputs[0].logprobs for o in ours] == [o.outputs[0].logprobs for o in theirs]
+
+
+def test_what_is_not_packed(tiny_models: dict[str, Path], packs: None) -> None:
+    # head_dim 10 x 10 heads: a qkv of 100 rows, not whole blocks of 32, so no projection is
+    # (one decode call takes all four packed or none); int8 weights and float32 ones neither
+    not_whole = _model(_engine(tiny_models["llama-gqa3-hd10"], True))
+    assert not any(native.is_packed(p.weight) for p in not_whole.int8_linears())
+    assert not not_whole.pack_weights()
+    quantized = _model(_engine(tiny_models["llama-mha"], True, quantization="int8"))
+    assert all(p.weight.dtype == torch.int8 for p in quantized.int8_linears())
+    wide = _model(LLMEngine(EngineConfig(model=str(tiny_models["llama-mha"]), dtype="float32",
+                                         num_kv_blocks=512)))
+    assert all(p.weight.dtype == torch.float32 for p in wide.int8_linears())
