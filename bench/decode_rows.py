@@ -1,6 +1,9 @@
 """How many rows a decode step should run in one C call: ms a step by its rows, the one call
 (``kernels.native.DecodeLayers``, the C linear up to ``linear_max_rows``) against layer by
-layer on torch's GEMM, in the same process on the same real-size shape.
+layer on torch's GEMM (the weights as the checkpoint has them), in the same process on the same
+real-size shape. ``--against unpacked``: against the one call on bf16 weights not packed for the
+dot product (``EngineConfig.pack_cpu_weights`` off, where this CPU packs them); ``--against
+layers``: against layer by layer on the same (packed) weights.
 
 The row limits in ``kernels/native.py`` (``LINEAR_MAX_ROWS_BF16_*``, ``LINEAR_INT8_MAX_ROWS*``)
 come from this comparison: the one call wins up to the row count where the ratio falls under
@@ -11,6 +14,7 @@ after the prefill, the best of ``--repeats`` alternations.
     python -m bench.decode_rows --quantization int8 --rows 8 16 32 64
     python -m bench.decode_rows --rows 8 16 24 32 --one-call-rows 32  # past today's limits
     python -m bench.decode_rows --model smollm2-135m-instruct --dtype float32 --rows 8 16 32
+    python -m bench.decode_rows --rows 1 8 16 24 32 64 96 --against unpacked
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name)
     "LINEAR_INT8_MAX_ROWS_PACKED", "LINEAR_INT8_MAX_ROWS_COLUMNS")}
 
 
+# --against: the baseline's name, whether it runs the one call, and whether its bf16 weights are
+# packed for the dot product (EngineConfig.pack_cpu_weights)
+BASELINES = {"torch": ("layer by layer on torch", False, False),
+             "unpacked": ("one C call, unpacked", True, False),
+             "layers": ("layer by layer, packed", False, True)}
+
+
 def set_one_call_rows(limit: int | None) -> None:
     """The C kernels' row limits as they are (None), or ``limit`` rows for every kind (0:
     every step layer by layer)."""
@@ -83,18 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one-call-rows", type=int,
                         help="the one call's row limit for every kind (default: the limits "
                         "kernels/native.py sets for this CPU)")
+    parser.add_argument("--against", choices=list(BASELINES), default="torch",
+                        help="what the one call (on packed weights where this CPU packs them) "
+                        "is compared with")
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
         model = str(args.models / args.shape)
         write_shape(args.shape, Path(model))
     best: dict[tuple[str, int], float] = {}
+    baseline, one_call_limit, packed = BASELINES[args.against]
+    settings = {"one call": (args.one_call_rows, True),
+                baseline: (args.one_call_rows if one_call_limit else 0, packed)}
     for repeat in range(args.repeats):
-        for setting in ("one call", "torch"):
-            set_one_call_rows(args.one_call_rows if setting == "one call" else 0)
+        for setting, (limit, pack) in settings.items():
+            set_one_call_rows(limit)
             engine = LLMEngine(EngineConfig(
                 model=model, dtype=args.dtype, quantization=args.quantization,
-                enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29))
+                enable_prefix_caching=False, kv_cache_memory_bytes=1 << 29,
+                pack_cpu_weights=pack))
             for rows in args.rows:
                 ms = step_ms(engine, rows, args.tokens, f"{setting}-{repeat}-{rows}")
                 best[setting, rows] = min(best.get((setting, rows), ms), ms)
@@ -105,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     set_one_call_rows(None)
     print(f"{args.model or args.shape}, {args.dtype}{', int8' if args.quantization else ''}: "
           f"C rows {'every count' if limit >= native.EVERY_ROW_COUNT else limit}")
-    print("| rows | one C call (ms a step) | layer by layer on torch | one call's speed |")
+    print(f"| rows | one C call (ms a step) | {baseline} | one call's speed |")
     print("|---|---|---|---|")
     for rows in args.rows:
-        ours, theirs = best["one call", rows], best["torch", rows]
+        ours, theirs = best["one call", rows], best[baseline, rows]
         print(f"| {rows} | {ours:.1f} | {theirs:.1f} | {theirs / ours:.2f}x |")
     return 0
 

@@ -671,6 +671,8 @@ static void linear_packed(const float *xf, const void *w, int w_bf16, const floa
  * kernels/native.py: packs_bf16). */
 #define PDOT_ROWS 32 /* weight rows a block */
 #define PDOT_M 12    /* x rows a tile: 24 accumulators */
+#define PDOT_PACK_X 9 /* x rows from which x is packed, in tiles of 6 to 12 rows (fewer:
+                       * PDOT_DIRECT's cases) */
 #if HAS_BF16_DOT
 /* x's pair broadcast, by the block's two vectors of a pair, added into a row's two
  * accumulators. In asm, as packed_f32_step. */
@@ -684,10 +686,10 @@ INLINE void pdot_step(__m512 *lo, __m512 *hi, const uint32_t *x, __m512 w0, __m5
 }
 #endif
 
-/* sums[p][r] for P x rows (pair j of row p at xt[j * S + p]; P and S constants where inlined)
- * by the packed block wb ([pairs][32]). A lone x row (the first tile to read the block) asks
- * for the block's bytes STREAM_AHEAD on. */
-INLINE void pdot_tile(const uint32_t *xt, const uint32_t *wb, int64_t pairs,
+/* sums[p][r] for P x rows (pair j of row p at xt[p * R + j * S]; P and S constants where
+ * inlined) by the packed block wb ([pairs][32]). The first tile to read the block asks for its
+ * bytes STREAM_AHEAD on. */
+INLINE void pdot_tile(const uint32_t *xt, int64_t R, const uint32_t *wb, int64_t pairs,
                       float sums[PDOT_M][PDOT_ROWS], const int P, const int S, int stream) {
 #if HAS_BF16_DOT
     __m512 lo[PDOT_M], hi[PDOT_M];
@@ -701,7 +703,7 @@ INLINE void pdot_tile(const uint32_t *xt, const uint32_t *wb, int64_t pairs,
         const __m512 w0 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS);
         const __m512 w1 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS + 16);
         for (int p = 0; p < P; p++)
-            pdot_step(&lo[p], &hi[p], xt + j * S + p, w0, w1);
+            pdot_step(&lo[p], &hi[p], xt + p * R + j * S, w0, w1);
     }
     for (int p = 0; p < P; p++) {
         _mm512_storeu_ps(sums[p], lo[p]);
@@ -714,7 +716,7 @@ INLINE void pdot_tile(const uint32_t *xt, const uint32_t *wb, int64_t pairs,
             sums[p][r] = 0.0f;
     for (int64_t j = 0; j < pairs; j++)
         for (int p = 0; p < P; p++) {
-            const uint32_t xv = xt[j * S + p];
+            const uint32_t xv = xt[p * R + j * S];
             const float xe = bf16_to_f32((uint16_t)xv), xo = bf16_to_f32((uint16_t)(xv >> 16));
             for (int r = 0; r < PDOT_ROWS; r++) {
                 const uint32_t wv = wb[j * PDOT_ROWS + r];
@@ -725,12 +727,12 @@ INLINE void pdot_tile(const uint32_t *xt, const uint32_t *wb, int64_t pairs,
 #endif
 }
 
-/* x rows m0 .. m0 + P of a tile (its pairs at xt, S apart) by block b, stored. */
-INLINE void pdot_rows(const uint32_t *xt, const uint32_t *wp, const float *bias, void *y,
-                      int y_bf16, int64_t N, int64_t pairs, int64_t b, int64_t m0, const int P,
-                      const int S, int stream) {
+/* x rows m0 .. m0 + P of a tile (as pdot_tile reads them) by block b, stored. */
+INLINE void pdot_rows(const uint32_t *xt, int64_t R, const uint32_t *wp, const float *bias,
+                      void *y, int y_bf16, int64_t N, int64_t pairs, int64_t b, int64_t m0,
+                      const int P, const int S, int stream) {
     float sums[PDOT_M][PDOT_ROWS] __attribute__((aligned(64)));
-    pdot_tile(xt, wp + b * pairs * PDOT_ROWS, pairs, sums, P, S, stream);
+    pdot_tile(xt, R, wp + b * pairs * PDOT_ROWS, pairs, sums, P, S, stream);
     for (int p = 0; p < P; p++)
         for (int r = 0; r < PDOT_ROWS; r++)
             store_out(y, y_bf16, (m0 + p) * N + b * PDOT_ROWS + r, sums[p][r], bias,
@@ -738,17 +740,26 @@ INLINE void pdot_rows(const uint32_t *xt, const uint32_t *wp, const float *bias,
 }
 
 /* y = x @ w^T (+ bias) for M bf16 x rows by N (a multiple of PDOT_ROWS) weight rows packed as
- * linear_packed_dot says, K even. x is packed a tile at a time ([pairs][PDOT_M]: a step's
- * broadcasts in one line; x's own rows, K * 2 bytes apart, would share L1 sets), tiles as even
- * as the rows allow; a lone row is read as it is. The threads share the blocks. */
-static void linear_packed_dot(const void *x, const void *wp, const float *bias, void *y, int y_bf16,
-                       int64_t M, int64_t N, int64_t K, int num_threads) {
+ * linear_packed_dot says, K even. From PDOT_PACK_X rows x is packed a tile at a time ([pairs]
+ * [PDOT_M]: a step's broadcasts in one line; x's own rows, K * 2 bytes apart, share L1 sets),
+ * tiles as even as the rows allow; fewer rows are read as they are: packing them cost more than
+ * it saved (the 1B's 64 layer matrices on a 2-core Zen 4 EPYC, x packed against read as it is:
+ * 54.7 against 46.7 ms at 2 rows, 44.3 against 40.3 at 6, 42.6 against 40.9 at 8; from 10
+ * rows unpacked x lost, 58.8 against 50.3). The threads share the blocks. */
+static void linear_packed_dot(const void *x, const void *wp, const float *bias, void *y,
+                              int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t pairs = K / 2, blocks = N / PDOT_ROWS;
     const uint32_t *x2 = x, *w2 = wp;
-    if (M == 1) {
+    if (M < PDOT_PACK_X) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t b = 0; b < blocks; b++)
-            pdot_rows(x2, w2, bias, y, y_bf16, N, pairs, b, 0, 1, 1, 1);
+            switch (M) { /* a constant in each call */
+#define PDOT_DIRECT(P)                                                                        \
+    case P: pdot_rows(x2, pairs, w2, bias, y, y_bf16, N, pairs, b, 0, P, 1, 1); break;
+                PDOT_DIRECT(1) PDOT_DIRECT(2) PDOT_DIRECT(3) PDOT_DIRECT(4)
+                PDOT_DIRECT(5) PDOT_DIRECT(6) PDOT_DIRECT(7) PDOT_DIRECT(8)
+#undef PDOT_DIRECT
+            }
         return;
     }
     const int64_t tiles = (M + PDOT_M - 1) / PDOT_M;
@@ -764,11 +775,11 @@ static void linear_packed_dot(const void *x, const void *wp, const float *bias, 
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t m0 = t * M / tiles;
             const uint32_t *xt = xp + t * pairs * PDOT_M;
-            switch ((t + 1) * M / tiles - m0) { /* the tile's rows, a constant in each call */
+            switch ((t + 1) * M / tiles - m0) { /* the tile's rows (6 to 12), a constant */
 #define PDOT_CASE(P)                                                                          \
-    case P: pdot_rows(xt, w2, bias, y, y_bf16, N, pairs, b, m0, P, PDOT_M, t == 0); break;
-                PDOT_CASE(1) PDOT_CASE(2) PDOT_CASE(3) PDOT_CASE(4) PDOT_CASE(5) PDOT_CASE(6)
-                PDOT_CASE(7) PDOT_CASE(8) PDOT_CASE(9) PDOT_CASE(10) PDOT_CASE(11) PDOT_CASE(12)
+    case P: pdot_rows(xt, 1, w2, bias, y, y_bf16, N, pairs, b, m0, P, PDOT_M, t == 0); break;
+                PDOT_CASE(6) PDOT_CASE(7) PDOT_CASE(8) PDOT_CASE(9) PDOT_CASE(10) PDOT_CASE(11)
+                PDOT_CASE(12)
 #undef PDOT_CASE
             }
         }

@@ -64,9 +64,10 @@ def test_packing_takes_only_blocks_of_bf16_pairs(dtype: torch.dtype,
 
 @pytest.mark.parametrize("march", BUILDS)
 def test_packed_sums_are_in_pair_order_for_every_row_count(march: str) -> None:
-    # 606 inputs: 303 pairs (not a multiple of 16); 64 weight rows: two blocks. Rows 1 to 27
-    # (tiles of every size to 12, split as evenly as the rows allow) and 41 (four tiles of 10
-    # and 11): each row's sums are the pair-order sums, so the same whatever else is in the call.
+    # 606 inputs: 303 pairs (not a multiple of 16); 64 weight rows: two blocks. Rows 1 to 8
+    # read as they are, 9 to 12 in one packed tile, 13 to 27 in tiles of 6 to 12 split as evenly
+    # as the rows allow, and 41 (four tiles of 10 and 11): each row's sums are the pair-order
+    # sums, so the same whatever else is in the call.
     lib = native.library("cpu_linear", march=march)
     gen = torch.Generator().manual_seed(17)
     scale = 2.0 ** torch.randint(-10, 10, (41, 606), generator=gen)  # orders show in the sums
