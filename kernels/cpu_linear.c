@@ -786,6 +786,28 @@ static void linear_packed_dot(const void *x, const void *wp, const float *bias, 
     free(xp);
 }
 
+/* The bf16 weight w ([N][K], N a multiple of PDOT_ROWS, K even) packed in place as
+ * linear_packed_dot reads it: block b, rows 32b .. 32b + 32, already holds the bytes its packed
+ * form takes, so each block is copied out and written back transposed (a block's bytes of
+ * scratch a thread, no second copy of the weight). */
+void linear_pack_dot(void *w, int64_t N, int64_t K, int num_threads) {
+    const int64_t pairs = K / 2, blocks = N / PDOT_ROWS;
+    uint32_t *w2 = w;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint32_t *rows = malloc((size_t)(PDOT_ROWS * pairs) * sizeof *rows);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint32_t *block = w2 + b * PDOT_ROWS * pairs;
+            memcpy(rows, block, (size_t)(PDOT_ROWS * pairs) * sizeof *rows);
+            for (int64_t j = 0; j < pairs; j++)
+                for (int r = 0; r < PDOT_ROWS; r++)
+                    block[j * PDOT_ROWS + r] = rows[r * pairs + j];
+        }
+        free(rows);
+    }
+}
+
 int linear_has_amx(void);
 
 /* The linear for M rows; with fixed_order, each output reduced in one order fixed by K alone

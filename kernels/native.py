@@ -75,6 +75,7 @@ LIBRARIES: dict[str, tuple[tuple[str, ...], dict[str, list]]] = {
     "cpu_linear": (("-ffp-contract=off",), {
         "linear_small": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
         "linear_fixed": [_ptr, _i32, _ptr, _i32, _ptr, _ptr, _i32, _i64, _i64, _i64, _i32],
+        "linear_pack_dot": [_ptr, _i64, _i64, _i32],
         "lora_add": [_ptr, _ptr, _i32, _ptr, _ptr, _i64, _i64, _i64, _i32],
     }),
     # The same for the int8 linear: on an AVX2 host gcc 12 contracted its tile shapes apart.
@@ -408,21 +409,27 @@ def packs_bf16() -> bool:
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[N, K]`` weight as ``cpu_linear.c``'s ``linear_packed_dot`` reads it: int32
-    ``[N / 32, K / 2, 32]``, each element a pair of inputs of one row, a block of 32 rows a pair
-    at a time. :func:`linear` and :func:`linear_rows` take it for every row count."""
+    """A contiguous CPU bf16 ``[N, K]`` weight packed in place as ``cpu_linear.c``'s
+    ``linear_packed_dot`` reads it, and returned as that: int32 ``[N / 32, K / 2, 32]`` over the
+    same memory, each element a pair of inputs of one row, a block of 32 rows a pair at a time
+    (``weight`` itself no longer reads as rows). :func:`linear` and :func:`linear_rows` take it
+    for every row count."""
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or n % PACKED_BLOCK or k % 2:
         raise ValueError(f"packing takes bf16 weights of rows a multiple of {PACKED_BLOCK} and "
                          f"an even number of inputs, not {weight.dtype} [{n}, {k}]")
-    pairs = weight.contiguous().view(torch.int32)  # [N, K / 2]
-    return pairs.view(n // PACKED_BLOCK, PACKED_BLOCK, k // 2).transpose(1, 2).contiguous()
+    if weight.device.type != "cpu" or not weight.is_contiguous():
+        raise ValueError("packing takes a contiguous CPU weight (it packs it in place)")
+    library("cpu_linear").linear_pack_dot(weight.data_ptr(), n, k, torch.get_num_threads())
+    return weight.view(torch.int32).view(n // PACKED_BLOCK, k // 2, PACKED_BLOCK)
 
 
 def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
     """The ``[N, K]`` bf16 weight :func:`pack_bf16` packed."""
     n, k = packed_shape(packed)
-    return packed.transpose(1, 2).contiguous().view(n, k // 2).view(torch.bfloat16)
+    rows = torch.empty(n // PACKED_BLOCK, PACKED_BLOCK, k // 2, dtype=torch.int32)
+    rows.copy_(packed.transpose(1, 2))  # a fresh tensor's strides, whatever dims are 1
+    return rows.view(n, k // 2).view(torch.bfloat16)
 
 
 def is_packed(weight: torch.Tensor) -> bool:

@@ -326,12 +326,12 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.native.pack_bf16``) where that is this machine's fastest linear
         (``native.packs_bf16``): with the fused CPU ops, bf16 weights (not int8) on the CPU, and
         every projection of a packable shape (all or none: one decode call takes them all).
-        Each weight is replaced by its packed copy (one at a time: no second copy of the
-        model). Whether they were packed."""
+        Each weight is packed in place (no second copy of the model). Whether they were
+        packed."""
         linears = self.int8_linears()
         weights = [linear.weight for linear in linears]
         if not (self.fused and native.packs_bf16() and all(
-                w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
                 and w.shape[0] % native.PACKED_BLOCK == 0 and w.shape[1] % 2 == 0
                 for w in weights)):
             return False

@@ -42,8 +42,11 @@ def _packed_sums(lib: object, x: torch.Tensor, packed: torch.Tensor) -> torch.Te
 def test_pack_and_unpack(n: int, k: int) -> None:
     # Block b, pair j, lane r holds inputs 2j and 2j + 1 of row 32b + r, the even one low.
     weight = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).bfloat16()
-    packed = native.pack_bf16(weight)
+    packed = native.pack_bf16(weight.clone())
     assert packed.dtype == torch.int32 and packed.shape == (n // 32, k // 2, 32)
+    inplace = weight.clone()
+    assert native.pack_bf16(inplace).data_ptr() == inplace.data_ptr()  # the same memory
+    assert torch.equal(inplace.view(torch.int32).view(packed.shape), packed)
     assert native.is_packed(packed) and not native.is_packed(weight)
     assert native.packed_shape(packed) == (n, k)
     bits = weight.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -60,6 +63,8 @@ def test_packing_takes_only_blocks_of_bf16_pairs(dtype: torch.dtype,
                                                  shape: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         native.pack_bf16(torch.zeros(shape, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):  # it packs in place
+        native.pack_bf16(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64])
 
 
 @pytest.mark.parametrize("march", BUILDS)
@@ -73,7 +78,7 @@ def test_packed_sums_are_in_pair_order_for_every_row_count(march: str) -> None:
     scale = 2.0 ** torch.randint(-10, 10, (41, 606), generator=gen)  # orders show in the sums
     x = (torch.randn(41, 606, generator=gen) * scale).to(torch.bfloat16)
     weight = torch.randn(64, 606, generator=gen).to(torch.bfloat16)
-    packed = native.pack_bf16(weight)
+    packed = native.pack_bf16(weight.clone())
     sums = _sums_in_pair_order(x, weight)
     for rows in [*range(1, 28), 41]:
         assert torch.equal(_packed_sums(lib, x[:rows], packed), sums[:rows]), f"{rows} rows"
@@ -94,7 +99,7 @@ def test_through_linear_with_bias_and_bf16_outputs(rows: int) -> None:
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     weight = torch.randn(160, 96, generator=gen).to(torch.bfloat16)
     bias = torch.randn(160, generator=gen)
-    packed = native.pack_bf16(weight)
+    packed = native.pack_bf16(weight.clone())
     expected = (_sums_in_pair_order(x, weight) + bias).to(torch.bfloat16)
     assert torch.equal(native.linear(x, packed, bias), expected)
     assert torch.equal(native.linear_rows(x, packed, bias), expected)
@@ -112,7 +117,7 @@ def test_packed_sums_are_the_columns_sums() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(70, 576, generator=gen).to(torch.bfloat16)
     weight = torch.randn(96, 576, generator=gen).to(torch.bfloat16)
-    packed = native.pack_bf16(weight)
+    packed = native.pack_bf16(weight.clone())
     for rows in (_LIB.linear_columns_from(), 70):
         assert torch.equal(native.linear(x[:rows], packed), native.linear(x[:rows], weight))
 
