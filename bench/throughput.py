@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -44,6 +45,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.config import DEVICES  # noqa: E402
 from engine.models.loader import resolve_model_dir  # noqa: E402
 from engine.runtime import cpu_has_native_bf16  # noqa: E402
+from kernels import native  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "bench" / "out"
 RESULTS_MD = REPO_ROOT / "bench" / "RESULTS.md"
@@ -91,8 +93,10 @@ class ModelShape:
 
 def model_shape(engine: LLMEngine) -> ModelShape:
     model = engine.runner.model
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n
-                 and "lm_head" not in n)
+    # a packed bf16 weight holds its [N, K] as int32 pairs: N * K / 2 elements
+    params = sum(math.prod(native.packed_shape(p)) if native.is_packed(p) else p.numel()
+                 for n, p in model.named_parameters()
+                 if "embed_tokens" not in n and "lm_head" not in n)
     q_size = model.config.num_attention_heads * model.head_dim
     return ModelShape(
         num_layers=model.num_layers,

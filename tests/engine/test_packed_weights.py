@@ -16,9 +16,12 @@ from engine.models.llama import LlamaForCausalLM
 from kernels import native
 
 
-def _engine(model_dir: Path, pack: bool, **config: object) -> LLMEngine:
+def _engine(model_dir: Path, pack: bool | None, **config: object) -> LLMEngine:
+    """A bf16 engine, packing as ``pack`` says (None: the default)."""
+    if pack is not None:
+        config["pack_cpu_weights"] = pack
     return LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=512,
-                                  pack_cpu_weights=pack, **config))  # type: ignore[arg-type]
+                                  **config))  # type: ignore[arg-type]
 
 
 def _model(engine: LLMEngine) -> LlamaForCausalLM:
@@ -56,7 +59,7 @@ def test_packed_engine_matches_the_unpacked_one(tiny_models: dict[str, Path], mo
 
 
 def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: None) -> None:
-    engine = _engine(tiny_models["llama-mha"], True)
+    engine = _engine(tiny_models["llama-mha"], None)  # packing is the default
     model = _model(engine)
     reference = _engine(tiny_models["llama-mha"], True)
     _model(reference)._in_one_call = lambda *args: False  # type: ignore[method-assign]
@@ -78,3 +81,37 @@ def test_what_is_not_packed(tiny_models: dict[str, Path], packs: None) -> None:
     wide = _model(LLMEngine(EngineConfig(model=str(tiny_models["llama-mha"]), dtype="float32",
                                          num_kv_blocks=512)))
     assert all(p.weight.dtype == torch.float32 for p in wide.int8_linears())
+    # torch's ops (F.linear) read the weights as rows: never packed there
+    unfused = _engine(tiny_models["llama-mha"], True, attention_backend="torch")
+    assert not any(native.is_packed(p.weight) for p in _model(unfused).int8_linears())
+    (out,) = unfused.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out.token_ids) == 2
+
+
+def test_benchmarks_count_a_packed_models_parameters_as_unpacked(
+        tiny_models: dict[str, Path], packs: None) -> None:
+    # bench.throughput.model_shape (the FLOPs of bench.realsize's ceiling) reads the weights
+    from bench.throughput import model_shape
+
+    shapes = [model_shape(_engine(tiny_models["llama-mha"], pack)) for pack in (True, False)]
+    assert shapes[0] == shapes[1]
+    # 2 layers of qkv, o, gate_up, down and 2 norms, then the final norm
+    assert shapes[0].params_per_token == 2 * (192 * 64 + 64 * 64 + 192 * 64 + 64 * 96 + 2 * 64) + 64
+
+
+def test_one_decode_call_takes_every_projection_packed_or_none() -> None:
+    hidden, heads, kv_heads, head_dim, inter = 64, 4, 2, 16, 96
+    qkv = (heads + 2 * kv_heads) * head_dim
+
+    def layer(pack: bool) -> native.LayerWeights:
+        def w(*shape: int) -> torch.Tensor:
+            t = torch.randn(*shape).to(torch.bfloat16)
+            return native.pack_bf16(t) if pack and len(shape) == 2 else t
+
+        return native.LayerWeights(w(hidden), w(qkv, hidden), None, w(hidden, heads * head_dim),
+                                   w(hidden), w(2 * inter, hidden), w(hidden, inter))
+
+    assert native.DecodeLayers([layer(True)] * 2, heads, kv_heads, head_dim, 1e-5, 0.3).packed
+    assert not native.DecodeLayers([layer(False)], heads, kv_heads, head_dim, 1e-5, 0.3).packed
+    with pytest.raises(ValueError, match="all bf16 ones packed"):
+        native.DecodeLayers([layer(True), layer(False)], heads, kv_heads, head_dim, 1e-5, 0.3)
