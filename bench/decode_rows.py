@@ -57,7 +57,7 @@ def step_ms(engine: LLMEngine, rows: int, tokens: int, tag: str) -> float:
 DEFAULTS: dict[str, int | dict[torch.dtype, int]] = {name: getattr(native, name) for name in (
     "LINEAR_MAX_ROWS", "LINEAR_MAX_ROWS_FLOAT32_AVX2", "LINEAR_MAX_ROWS_BF16_DOT",
     "LINEAR_MAX_ROWS_BF16_TORCH_AMX", "LINEAR_MAX_ROWS_BF16_AMX", "LINEAR_MAX_ROWS_PACKED",
-    "LINEAR_MAX_ROWS_PACKED_AVX512",
+    "LINEAR_MAX_ROWS_PACKED_AVX512", "LINEAR_MAX_ROWS_PACKED_DOT",
     "LINEAR_INT8_MAX_ROWS", "LINEAR_INT8_MAX_ROWS_FIXED_GROUPS", "LINEAR_INT8_MAX_ROWS_AMX",
     "LINEAR_INT8_MAX_ROWS_PACKED", "LINEAR_INT8_MAX_ROWS_COLUMNS")}
 
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             del engine
     set_one_call_rows(args.one_call_rows)
     limit = (native.linear_int8_max_rows(0) if args.quantization
+             else native.LINEAR_MAX_ROWS_PACKED_DOT  # the one call's on packed weights
+             if args.dtype == "bfloat16" and native.packs_bf16()
              else native.linear_max_rows(getattr(torch, args.dtype)))
     set_one_call_rows(None)
     print(f"{args.model or args.shape}, {args.dtype}{', int8' if args.quantization else ''}: "

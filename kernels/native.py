@@ -398,6 +398,12 @@ def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
 
 # Weight rows a block of bf16 weights packed for the dot product holds (cpu_linear.c's PDOT_ROWS)
 PACKED_BLOCK = 32
+# Rows up to which a decode step on packed weights runs its layers in one C call (DecodeLayers):
+# its linear is the same kernel either way, so only the per-op costs differ. On a 2-core Zen 4
+# EPYC (2026-12-07, the 1B, bench/decode_rows.py --against layers --one-call-rows 192) the one
+# call ran 1.03x layer by layer at 96 rows, 1.06x at 128 and at 192 (0.97x at 64: noise; bf16
+# takes it to 96 there anyway).
+LINEAR_MAX_ROWS_PACKED_DOT = 192
 
 
 def packs_bf16() -> bool:
@@ -890,11 +896,12 @@ class DecodeLayers:
                 raise ValueError("DecodeLayers needs every layer's projections int8 with one "
                                  f"group size, or none (got group sizes {sorted(groups)})")
             self.group = groups.pop()
-        self.max_rows = (linear_int8_max_rows(self.group) if quantized
-                         else linear_max_rows(dtype))
-        self.shape = (num_heads, num_kv_heads, head_dim)
         # bf16 projections packed for the dot product (pack_bf16): every layer's four, or none
         self.packed = is_packed(layers[0].qkv)
+        self.max_rows = (linear_int8_max_rows(self.group) if quantized
+                         else LINEAR_MAX_ROWS_PACKED_DOT if self.packed
+                         else linear_max_rows(dtype))
+        self.shape = (num_heads, num_kv_heads, head_dim)
         self.hidden, self.intermediate = _logical(layers[0].qkv)[1], _logical(layers[0].down)[1]
         self.eps, self.scale = eps, scale
         # float32 biases, as ``linear`` makes them for its kernel; kept alive here

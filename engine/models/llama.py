@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         if qkv.weight_scale is not None:
             return native.linear_int8_max_rows(int8.scale_group(qkv.weight, qkv.weight_scale))
         if native.is_packed(qkv.weight):
-            return native.linear_max_rows(torch.bfloat16)
+            return native.LINEAR_MAX_ROWS_PACKED_DOT
         return native.linear_max_rows(qkv.weight.dtype)
 
     def _adapters_in_c(self, rows: int) -> bool:

@@ -66,7 +66,8 @@ def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: 
     params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=3)
     ours, theirs = engine.generate(PROMPTS, params), reference.generate(PROMPTS, params)
     assert model._decode_layers is not None and model._decode_layers.packed
-    assert model.one_call_rows() == native.linear_max_rows(torch.bfloat16)
+    assert model.one_call_rows() == native.LINEAR_MAX_ROWS_PACKED_DOT
+    assert model._decode_layers.max_rows == native.LINEAR_MAX_ROWS_PACKED_DOT
     assert [o.outputs[0].logprobs for o in ours] == [o.outputs[0].logprobs for o in theirs]
 
 
