@@ -70,9 +70,10 @@ INLINE float hsum(vf v) {
 /* How a tile multiplies: float32 weights; bf16 weights widened (any x); bf16 weights and bf16
  * x through AVX512-BF16's dot product of pairs, where the CPU has it (one instruction for what
  * widening takes four: a step of a few rows is then bound by memory again, not by the core).
- * The products are exact either way, but vdpbf16ps adds each pair's two products before the
- * accumulator and flushes subnormal inputs and results to zero, so bf16 outputs differ in
- * their last bits between hosts with and without it (float32 weights never take it). */
+ * The products are exact either way, but vdpbf16ps adds a pair's two products to the
+ * accumulator one after the other (the odd one first), each rounded, and flushes subnormal
+ * inputs and results to zero, so bf16 outputs differ in their last bits between hosts with and
+ * without it (float32 weights never take it). */
 enum { F32_WEIGHTS, BF16_WIDENED, BF16_DOT };
 #ifdef __AVX512BF16__
 #define HAS_BF16_DOT 1
@@ -667,8 +668,8 @@ static void linear_packed(const float *xf, const void *w, int w_bf16, const floa
  * is one weight row): the columns' order, the same bits, and the same for every row count, so
  * the batch-invariant mode takes it as it is. Built where there is no dot product, the same
  * sums in C (each pair's odd product added, then its even one, as vdpbf16ps's definition
- * does), so the layout works everywhere, though only the dot product's builds pack (see
- * kernels/native.py: packs_bf16). */
+ * does; the same bits but where vdpbf16ps flushes subnormals), so the layout works everywhere,
+ * though only the dot product's builds pack (see kernels/native.py: packs_bf16). */
 #define PDOT_ROWS 32 /* weight rows a block */
 #define PDOT_M 12    /* x rows a tile: 24 accumulators */
 #define PDOT_PACK_X 9 /* x rows from which x is packed, in tiles of 6 to 12 rows (fewer:
@@ -700,8 +701,9 @@ INLINE void pdot_tile(const uint32_t *xt, int64_t R, const uint32_t *wb, int64_t
             prefetch_stream(wb + j * PDOT_ROWS);
             prefetch_stream(wb + j * PDOT_ROWS + 16);
         }
-        const __m512 w0 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS);
-        const __m512 w1 = _mm512_load_ps((const float *)wb + j * PDOT_ROWS + 16);
+        /* unaligned loads: a packed weight need not start on a line (a view, numpy's memory) */
+        const __m512 w0 = _mm512_loadu_ps((const float *)wb + j * PDOT_ROWS);
+        const __m512 w1 = _mm512_loadu_ps((const float *)wb + j * PDOT_ROWS + 16);
         for (int p = 0; p < P; p++)
             pdot_step(&lo[p], &hi[p], xt + p * R + j * S, w0, w1);
     }
@@ -763,7 +765,8 @@ static void linear_packed_dot(const void *x, const void *wp, const float *bias, 
         return;
     }
     const int64_t tiles = (M + PDOT_M - 1) / PDOT_M;
-    uint32_t *xp = aligned_alloc(64, (size_t)(tiles * pairs * PDOT_M) * sizeof *xp + 64);
+    const size_t xp_bytes = (size_t)(tiles * pairs * PDOT_M) * sizeof(uint32_t);
+    uint32_t *xp = aligned_alloc(64, (xp_bytes + 63) & ~(size_t)63); /* a multiple of 64 */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t m0 = t * M / tiles, P = (t + 1) * M / tiles - m0;
         for (int64_t j = 0; j < pairs; j++)

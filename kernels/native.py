@@ -267,7 +267,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     the C kernel, which reads a float32 or bf16 ``weight`` ([N, K]) once (every row count
     where it has AVX2's packed GEMM; 128 and 256 where it has AVX-512's). More rows go to
     torch's GEMM, in float32 when the weight is bf16 and the CPU has no bf16 arithmetic (widened
-    first: exact, and still far faster than torch's bf16 GEMM there).
+    first: exact, and still far faster than torch's bf16 GEMM there). A weight packed by
+    :func:`pack_bf16` takes the C kernel at every row count, bf16 rows of any leading shape.
     """
     if is_packed(weight):
         return _linear_c("linear_small", x, weight, bias)
@@ -383,6 +384,8 @@ def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
     if x.dtype not in LINEAR_MAX_ROWS or not (packed or weight.dtype in LINEAR_MAX_ROWS):
         raise TypeError(f"no C linear for {x.dtype} rows by {weight.dtype} weights")
     n, k = packed_shape(weight) if packed else weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"rows of {x.shape[-1]} inputs by a weight of {k}")
     lead = x.shape[:-1]
     weight, x = weight.contiguous(), x.reshape(-1, k).contiguous()
     bf = None if bias is None else bias.to(torch.float32).contiguous()
@@ -898,6 +901,9 @@ class DecodeLayers:
             self.group = groups.pop()
         # bf16 projections packed for the dot product (pack_bf16): every layer's four, or none
         self.packed = is_packed(layers[0].qkv)
+        if self.packed and dtype != torch.bfloat16:  # e.g. a packed model made float32 after
+            raise ValueError(f"DecodeLayers takes packed bf16 projections in a bf16 model, "
+                             f"not {dtype}")
         self.max_rows = (linear_int8_max_rows(self.group) if quantized
                          else LINEAR_MAX_ROWS_PACKED_DOT if self.packed
                          else linear_max_rows(dtype))

@@ -196,6 +196,29 @@ def test_decode_rows_one_call_rows_sets_the_one_calls_limit(
     assert "tiny, float32: C rows 2\n" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("against", "packed_calls"), [
+    ("unpacked", [True] * 6 + [False] * 6),  # both engines run the one call, one packed
+    ("layers", [True] * 6)])  # the baseline runs its steps layer by layer
+def test_decode_rows_against_unpacked_or_layers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        against: str, packed_calls: list[bool]) -> None:
+    """--against: the one call on packed weights (packing forced, so on any CPU) against the
+    one call on the checkpoint's layout, or against layer by layer on packed weights."""
+    from kernels import native
+
+    monkeypatch.setattr(native, "packs_bf16", lambda: True)
+    packed: list[bool] = []
+    run = native.DecodeLayers.__call__
+    monkeypatch.setattr(native.DecodeLayers, "__call__", lambda self, *a: (
+        packed.append(self.packed), run(self, *a))[1])
+    _decode_rows_on_a_tiny_shape(tmp_path, monkeypatch, "--against", against)
+    assert packed == packed_calls
+    out = capsys.readouterr().out
+    assert {"unpacked": "| one C call, unpacked |", "layers": "| layer by layer, packed |"}[
+        against] in out
+    assert "tiny, bfloat16: C rows 192\n" in out  # the one call's limit on packed weights
+
+
 TINY_AB_SHAPE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                      num_key_value_heads=2)
 

@@ -116,3 +116,8 @@ def test_one_decode_call_takes_every_projection_packed_or_none() -> None:
     assert not native.DecodeLayers([layer(False)], heads, kv_heads, head_dim, 1e-5, 0.3).packed
     with pytest.raises(ValueError, match="all bf16 ones packed"):
         native.DecodeLayers([layer(True), layer(False)], heads, kv_heads, head_dim, 1e-5, 0.3)
+    packed = layer(True)  # a packed model whose norms went float32 (model.float())
+    wide = native.LayerWeights(packed.input_norm.float(), packed.qkv, None, packed.o,
+                               packed.post_norm.float(), packed.gate_up, packed.down)
+    with pytest.raises(ValueError, match="packed bf16 projections in a bf16 model"):
+        native.DecodeLayers([wide], heads, kv_heads, head_dim, 1e-5, 0.3)

@@ -107,6 +107,21 @@ def test_through_linear_with_bias_and_bf16_outputs(rows: int) -> None:
                        expected.view(1, rows, 160))
     with pytest.raises(TypeError, match="take bf16 rows"):
         native.linear(x.float(), packed)
+    with pytest.raises(ValueError, match="rows of 48 inputs by a weight of 96"):
+        native.linear(x.view(-1, 48), packed)  # as many values, not as many inputs
+
+
+def test_an_unaligned_packed_weight() -> None:
+    # a packed weight that does not start on a cache line (a view into a larger tensor)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+    storage = torch.zeros(64 * 64 + 2, dtype=torch.bfloat16)
+    shifted = storage[2:].view(64, 64)  # 4 bytes past the allocation's start
+    shifted.copy_(weight)
+    packed = native.pack_bf16(shifted)
+    assert packed.data_ptr() % 64 != 0
+    assert torch.equal(native.linear(x, packed), native.linear(x, native.pack_bf16(weight)))
 
 
 @pytest.mark.skipif(not (_LIB.linear_columns_from() and not _LIB.linear_has_amx()),
