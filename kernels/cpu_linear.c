@@ -767,12 +767,9 @@ static void linear_packed_dot(const void *x, const void *wp, const float *bias, 
     const int64_t tiles = (M + PDOT_M - 1) / PDOT_M;
     const size_t xp_bytes = (size_t)(tiles * pairs * PDOT_M) * sizeof(uint32_t);
     uint32_t *xp = aligned_alloc(64, (xp_bytes + 63) & ~(size_t)63); /* a multiple of 64 */
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t m0 = t * M / tiles, P = (t + 1) * M / tiles - m0;
-        for (int64_t j = 0; j < pairs; j++)
-            for (int64_t p = 0; p < PDOT_M; p++)
-                xp[(t * pairs + j) * PDOT_M + p] = p < P ? x2[(m0 + p) * pairs + j] : 0;
-    }
+    for (int64_t t = 0; t < tiles; t++) /* the columns' packing, PDOT_M lanes a step */
+        columns_pack(x, K, pairs, t * M / tiles, (int)((t + 1) * M / tiles - t * M / tiles),
+                     PDOT_M, xp + t * pairs * PDOT_M);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t t = 0; t < tiles; t++) {

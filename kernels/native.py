@@ -270,10 +270,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     first: exact, and still far faster than torch's bf16 GEMM there). A weight packed by
     :func:`pack_bf16` takes the C kernel at every row count, bf16 rows of any leading shape.
     """
-    if is_packed(weight):
-        return _linear_c("linear_small", x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype) and (
-            x.dtype in LINEAR_MAX_ROWS):
+    if is_packed(weight) or (x.dim() == 2 and x.shape[0] <= linear_max_rows(weight.dtype)
+                             and x.dtype in LINEAR_MAX_ROWS):
         return _linear_c("linear_small", x, weight, bias)
     if weight.dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return _linear_widened(x, weight, bias)
@@ -423,14 +421,22 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     same memory, each element a pair of inputs of one row, a block of 32 rows a pair at a time
     (``weight`` itself no longer reads as rows). :func:`linear` and :func:`linear_rows` take it
     for every row count."""
+    if not packable(weight):
+        raise ValueError(f"packing takes a contiguous CPU bf16 weight (packed in place) of rows "
+                         f"a multiple of {PACKED_BLOCK} and an even number of inputs, not "
+                         f"{weight.dtype} {list(weight.shape)} on {weight.device.type}"
+                         f"{'' if weight.is_contiguous() else ', not contiguous'}")
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or n % PACKED_BLOCK or k % 2:
-        raise ValueError(f"packing takes bf16 weights of rows a multiple of {PACKED_BLOCK} and "
-                         f"an even number of inputs, not {weight.dtype} [{n}, {k}]")
-    if weight.device.type != "cpu" or not weight.is_contiguous():
-        raise ValueError("packing takes a contiguous CPU weight (it packs it in place)")
     library("cpu_linear").linear_pack_dot(weight.data_ptr(), n, k, torch.get_num_threads())
     return weight.view(torch.int32).view(n // PACKED_BLOCK, k // 2, PACKED_BLOCK)
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_bf16` takes ``weight``: a contiguous CPU bf16 ``[N, K]``, N whole
+    blocks, K pairs."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[0] % PACKED_BLOCK == 0 and weight.shape[1] % 2 == 0)
 
 
 def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:

@@ -329,11 +329,8 @@ class LlamaForCausalLM(nn.Module):
         Each weight is packed in place (no second copy of the model). Whether they were
         packed."""
         linears = self.int8_linears()
-        weights = [linear.weight for linear in linears]
-        if not (self.fused and native.packs_bf16() and all(
-                w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                and w.shape[0] % native.PACKED_BLOCK == 0 and w.shape[1] % 2 == 0
-                for w in weights)):
+        if not (self.fused and native.packs_bf16()
+                and all(native.packable(linear.weight) for linear in linears)):
             return False
         for linear in linears:
             linear.weight = nn.Parameter(native.pack_bf16(linear.weight.data),

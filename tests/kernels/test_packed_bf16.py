@@ -63,8 +63,21 @@ def test_packing_takes_only_blocks_of_bf16_pairs(dtype: torch.dtype,
                                                  shape: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         native.pack_bf16(torch.zeros(shape, dtype=dtype))
-    with pytest.raises(ValueError, match="contiguous"):  # it packs in place
+    with pytest.raises(ValueError, match="not contiguous"):  # it packs in place
         native.pack_bf16(torch.zeros(64, 128, dtype=torch.bfloat16)[:, :64])
+
+
+def test_what_packs() -> None:
+    # the one rule pack_bf16 and LlamaForCausalLM.pack_weights both ask
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    assert native.packable(bf16(64, 2))
+    assert not native.packable(bf16(48, 64))  # rows not whole blocks
+    assert not native.packable(bf16(64, 63))  # an odd input
+    assert not native.packable(torch.zeros(64, 64))  # float32
+    assert not native.packable(bf16(64, 128)[:, :64])  # not contiguous
+    assert not native.packable(bf16(64 * 64))  # not a matrix
 
 
 @pytest.mark.parametrize("march", BUILDS)
