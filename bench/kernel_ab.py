@@ -12,6 +12,7 @@ shape's heads in blocks of ``--block-size`` (the CPU's default, 8) scattered ove
 engine's are after some churn; GB/s of K and V read.
 
     python -m bench.kernel_ab --base HEAD~1 --kind bf16 --rows 1 2 4 8 16 32
+    python -m bench.kernel_ab --base HEAD~1 --kind bf16-packed --rows 16 512 1600
     python -m bench.kernel_ab --base HEAD~1 --kind int8 --rows 1 4 8
     python -m bench.kernel_ab --base HEAD~1 --kind attention --rows 1 8 32 --context 256
 """
@@ -40,6 +41,7 @@ from kernels import int8, native  # noqa: E402
 # kind -> (library, weight dtype, x dtype, int8 group or None)
 KINDS = {
     "bf16": ("cpu_linear", torch.bfloat16, torch.bfloat16, None),  # the dot product where built
+    "bf16-packed": ("cpu_linear", torch.bfloat16, torch.bfloat16, None),  # native.pack_bf16'd
     "bf16-widened": ("cpu_linear", torch.bfloat16, torch.float32, None),
     "float32": ("cpu_linear", torch.float32, torch.float32, None),
     "int8": ("cpu_int8", torch.int8, torch.bfloat16, 0),  # per output channel
@@ -67,6 +69,12 @@ def matrices(shape: str, layers: int) -> list[tuple[int, int]]:
     return [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * layers
 
 
+def logical(weight: torch.Tensor) -> tuple[int, int]:
+    """A weight's (outputs, inputs), packed or not."""
+    n, k = native.packed_shape(weight) if native.is_packed(weight) else weight.shape
+    return n, k
+
+
 def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None]:  # type: ignore[no-untyped-def]
     """A call of ``lib``'s linear, as ``kernels.native`` makes it, into ``y``."""
     threads = torch.get_num_threads()
@@ -81,10 +89,10 @@ def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None
 
     def call_linear(x: torch.Tensor, w: tuple, y: torch.Tensor) -> None:
         (weight,) = w
-        lib.linear_small(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(),
-                         int(weight.dtype == torch.bfloat16), None, y.data_ptr(),
-                         int(y.dtype == torch.bfloat16), x.shape[0], weight.shape[0],
-                         weight.shape[1], threads)
+        kind = 2 if native.is_packed(weight) else int(weight.dtype == torch.bfloat16)
+        lib.linear_small(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), kind,
+                         None, y.data_ptr(), int(y.dtype == torch.bfloat16), x.shape[0],
+                         *logical(weight), threads)
     return call_linear
 
 
@@ -119,7 +127,7 @@ def linears(call: Callable[[torch.Tensor, tuple, torch.Tensor], None], weights: 
             xs: dict[int, torch.Tensor], outs: list[torch.Tensor]) -> None:
     """One build's pass over every matrix, into its outputs."""
     for w, y in zip(weights, outs, strict=True):
-        call(xs[w[0].shape[1]], w, y)
+        call(xs[logical(w[0])[1]], w, y)
 
 
 def decode_layers(lib: ctypes.CDLL, query: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
@@ -189,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     for n, k in matrices(args.shape, args.layers):
         w = torch.randn(n, k)
         weights.append(int8.quantize(w, group or None) if group is not None
+                       else (native.pack_bf16(w.to(w_dtype)),) if args.kind == "bf16-packed"
                        else (w.to(w_dtype),))
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w[:1])
-    macs = sum(w[0].numel() for w in weights)
+    macs = sum(n * k for n, k in (logical(w[0]) for w in weights))
     calls = {b: caller(lib, args.kind) for b, lib in libs.items()}
     for m in args.rows:
-        xs = {k: torch.randn(m, k).to(x_dtype) for k in {w[0].shape[1] for w in weights}}
-        outs = {b: [torch.empty(m, w[0].shape[0], dtype=x_dtype) for w in weights] for b in calls}
+        xs = {k: torch.randn(m, k).to(x_dtype) for k in {logical(w[0])[1] for w in weights}}
+        outs = {b: [torch.empty(m, logical(w[0])[0], dtype=x_dtype) for w in weights]
+                for b in calls}
 
         best = best_of({b: partial(linears, calls[b], weights, xs, outs[b]) for b in calls},
                        args.repeats)

@@ -741,13 +741,28 @@ INLINE void pdot_rows(const uint32_t *xt, int64_t R, const uint32_t *wp, const f
                       b * PDOT_ROWS + r);
 }
 
+/* Tiles of packed x a block takes before the next block (a chunk; the blocks then pass again
+ * for the next chunk): so many that the chunk's PDOT_CHUNK_BYTES stay in L3 while the weight
+ * streams past them, where all of a prefill's x would come from memory again for every block.
+ * On a 2-core Zen 4 EPYC (32 MiB L3; 2026-12-07), the 1B's 2048x8192 at a prefill's 1,600 rows
+ * on both cores: 0.75, 1.5, 3 and 6 MiB chunks ran 398, 404, 419-426 and 408 GFLOP/s, all of
+ * x at once 340-360 (its 2048-input matrices gain less: their x is a quarter the size); the
+ * 1B's four matrices at 1,600 rows 1.09x, with x packed by both threads 1.02-1.03x at 96-512
+ * (bench/kernel_ab.py --kind bf16-packed). */
+#define PDOT_CHUNK_BYTES (3 << 20)
+INLINE int64_t pdot_chunk_tiles(int64_t pairs) {
+    const int64_t tiles = PDOT_CHUNK_BYTES / (pairs * PDOT_M * (int64_t)sizeof(uint32_t));
+    return tiles > 0 ? tiles : 1;
+}
+
 /* y = x @ w^T (+ bias) for M bf16 x rows by N (a multiple of PDOT_ROWS) weight rows packed as
  * linear_packed_dot says, K even. From PDOT_PACK_X rows x is packed a tile at a time ([pairs]
  * [PDOT_M]: a step's broadcasts in one line; x's own rows, K * 2 bytes apart, share L1 sets),
  * tiles as even as the rows allow; fewer rows are read as they are: packing them cost more than
  * it saved (the 1B's 64 layer matrices on a 2-core Zen 4 EPYC, x packed against read as it is:
  * 54.7 against 46.7 ms at 2 rows, 44.3 against 40.3 at 6, 42.6 against 40.9 at 8; from 10
- * rows unpacked x lost, 58.8 against 50.3). The threads share the blocks. */
+ * rows unpacked x lost, 58.8 against 50.3). The threads pack x's tiles together, then share
+ * the blocks a chunk of tiles at a time (pdot_chunk_tiles). */
 static void linear_packed_dot(const void *x, const void *wp, const float *bias, void *y,
                               int y_bf16, int64_t M, int64_t N, int64_t K, int num_threads) {
     const int64_t pairs = K / 2, blocks = N / PDOT_ROWS;
@@ -767,22 +782,30 @@ static void linear_packed_dot(const void *x, const void *wp, const float *bias, 
     const int64_t tiles = (M + PDOT_M - 1) / PDOT_M;
     const size_t xp_bytes = (size_t)(tiles * pairs * PDOT_M) * sizeof(uint32_t);
     uint32_t *xp = aligned_alloc(64, (xp_bytes + 63) & ~(size_t)63); /* a multiple of 64 */
-    for (int64_t t = 0; t < tiles; t++) /* the columns' packing, PDOT_M lanes a step */
-        columns_pack(x, K, pairs, t * M / tiles, (int)((t + 1) * M / tiles - t * M / tiles),
-                     PDOT_M, xp + t * pairs * PDOT_M);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t m0 = t * M / tiles;
-            const uint32_t *xt = xp + t * pairs * PDOT_M;
-            switch ((t + 1) * M / tiles - m0) { /* the tile's rows (6 to 12), a constant */
+    const int64_t chunk = pdot_chunk_tiles(pairs);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) /* the columns' packing, PDOT_M lanes a step */
+            columns_pack(x, K, pairs, t * M / tiles, (int)((t + 1) * M / tiles - t * M / tiles),
+                         PDOT_M, xp + t * pairs * PDOT_M);
+        for (int64_t c0 = 0; c0 < tiles; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < tiles ? c0 + chunk : tiles;
+#pragma omp for schedule(static) nowait
+            for (int64_t b = 0; b < blocks; b++)
+                for (int64_t t = c0; t < c1; t++) {
+                    const int64_t m0 = t * M / tiles;
+                    const uint32_t *xt = xp + t * pairs * PDOT_M;
+                    switch ((t + 1) * M / tiles - m0) { /* the tile's rows (6 to 12), a constant */
 #define PDOT_CASE(P)                                                                          \
-    case P: pdot_rows(xt, 1, w2, bias, y, y_bf16, N, pairs, b, m0, P, PDOT_M, t == 0); break;
-                PDOT_CASE(6) PDOT_CASE(7) PDOT_CASE(8) PDOT_CASE(9) PDOT_CASE(10) PDOT_CASE(11)
-                PDOT_CASE(12)
+    case P: pdot_rows(xt, 1, w2, bias, y, y_bf16, N, pairs, b, m0, P, PDOT_M, t == c0); break;
+                        PDOT_CASE(6) PDOT_CASE(7) PDOT_CASE(8) PDOT_CASE(9) PDOT_CASE(10)
+                        PDOT_CASE(11) PDOT_CASE(12)
 #undef PDOT_CASE
-            }
+                    }
+                }
         }
+    }
     free(xp);
 }
 
@@ -1090,6 +1113,9 @@ int linear_packed_from(void) { return PACKED_FROM; }
 /* Whether bf16 rows by bf16 weights take AVX512-BF16's dot product in this build
  * (kernels.native.linear_max_rows sizes the kernel's row limit by it). */
 int linear_has_bf16_dot(void) { return HAS_BF16_DOT; }
+
+/* Tiles of x a chunk of linear_packed_dot holds for K inputs (for the tests). */
+int linear_packed_chunk_tiles(int64_t K) { return (int)pdot_chunk_tiles(K / 2); }
 
 /* Floats a vector in this build: 8 for AVX2 (kernels.native.linear_max_rows sizes the float32
  * row limit by it), 16 for AVX-512. */

@@ -229,7 +229,7 @@ def _kernels_at_head() -> bool:
                           cwd=Path(__file__).resolve().parents[2]).returncode == 0
 
 
-@pytest.mark.parametrize("kind", ["bf16", "int8"])
+@pytest.mark.parametrize("kind", ["bf16", "bf16-packed", "int8"])
 def test_kernel_ab_against_head_on_a_tiny_shape(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kind: str) -> None:
     """bench/kernel_ab.py: HEAD's kernel built from git beside the tree's, a row per row count,

@@ -5,6 +5,7 @@ for every row count and in every build (the dot product's and the portable C's).
 
 from __future__ import annotations
 
+import ctypes
 import platform
 
 import pytest
@@ -102,6 +103,26 @@ def test_packed_sums_are_in_pair_order_for_every_row_count(march: str) -> None:
         even_first += products[:, :, 2 * j]
         even_first += products[:, :, 2 * j + 1]
     assert not torch.equal(even_first, sums)  # the order shows in these sums
+
+
+def test_a_prefill_of_several_chunks() -> None:
+    # Past a chunk of tiles (linear_packed_chunk_tiles) the blocks pass again for the next one:
+    # 8,192 inputs (a Llama MLP's down projection) and rows for three chunks, the last short,
+    # each row's sums the pair-order sums (a skipped or repeated tile would show).
+    k, n = 8192, 64
+    chunk_rows = 12 * _LIB.linear_packed_chunk_tiles(ctypes.c_int64(k))
+    rows = 2 * chunk_rows + 31
+    assert 0 < chunk_rows < 1024  # several chunks at a size a test affords
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    packed = native.pack_bf16(weight.clone())
+    xf, wf = x.float(), weight.float()
+    sums = torch.zeros(rows, n)
+    for j in range(k // 2):  # pair by pair, the odd product first, without [rows, n, k]
+        sums += xf[:, 2 * j + 1, None] * wf[None, :, 2 * j + 1]
+        sums += xf[:, 2 * j, None] * wf[None, :, 2 * j]
+    assert torch.equal(_packed_sums(_LIB, x, packed), sums)
 
 
 @pytest.mark.parametrize("rows", [1, 13, 40])
