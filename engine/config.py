@@ -94,7 +94,8 @@ class EngineConfig:
         "on 16 cores: 8 each; worker/cpu_share.py). Set, it is not split")
     pack_cpu_weights: bool = _field(
         True, "where the CPU kernels have AVX512-BF16's dot product and no AMX, pack the bf16 "
-        "projections once loaded for a C linear that takes every row count "
+        "projections (and the lm_head, the tied table too) once loaded for a C linear that "
+        "takes every row count "
         "(kernels.native.pack_bf16: decode steps 1.25-1.29x faster at 8-24 rows, 1.04-1.10x at "
         "32-96, on a Zen 4 EPYC; the same bits as the unpacked kernel from 32 rows); off: the "
         "weights as the checkpoint has them")

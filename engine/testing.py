@@ -58,6 +58,7 @@ def make_tiny_model(
     max_shard_size: str | None = None,
     seed: int = 0,
     random_norms: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """Write a random model of ``model_type`` (llama, mistral, qwen2 or qwen3) and a tokenizer
     to ``path``, as transformers saves it: ``max_shard_size`` (e.g. ``"20KB"``) splits it into
@@ -66,17 +67,20 @@ def make_tiny_model(
 
     ``initializer_range`` is larger than the usual 0.02 so that logits are peaked and greedy
     decoding is not decided by near ties. RMSNorm weights start as ones, which a test cannot
-    tell apart: ``random_norms`` draws them in [0.5, 1.5].
+    tell apart: ``random_norms`` draws them in [0.5, 1.5]. ``vocab_size`` pads the model's
+    vocabulary past the tokenizer's (as Llama 3 and Qwen pad theirs to whole blocks).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = build_byte_tokenizer(path)
-    eos_id = vocab_size - 1  # <|im_end|>, the last special token added
+    tokens = build_byte_tokenizer(path)
+    eos_id = tokens - 1  # <|im_end|>, the last special token added
+    if vocab_size is not None and vocab_size < tokens:
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {tokens}")
     config = AutoConfig.for_model(
         model_type,
-        vocab_size=vocab_size,
+        vocab_size=vocab_size or tokens,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
@@ -89,7 +93,7 @@ def make_tiny_model(
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
-        pad_token_id=vocab_size - 3,
+        pad_token_id=tokens - 3,
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
     )
     torch.manual_seed(seed)

@@ -439,6 +439,14 @@ def packable(weight: torch.Tensor) -> bool:
             and weight.shape[0] % PACKED_BLOCK == 0 and weight.shape[1] % 2 == 0)
 
 
+def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` ([T] indices) of the bf16 weight :func:`pack_bf16` packed, as [T, K]
+    bf16: an embedding lookup in a table packed for the tied lm_head. Row ``n`` is lane
+    ``n % 32`` of block ``n // 32``, a pair of inputs (the even one low) a 32-bit word."""
+    rows = rows.long()
+    return packed[rows // PACKED_BLOCK, :, rows % PACKED_BLOCK].view(torch.bfloat16)
+
+
 def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
     """The ``[N, K]`` bf16 weight :func:`pack_bf16` packed."""
     n, k = packed_shape(packed)

@@ -326,17 +326,33 @@ class LlamaForCausalLM(nn.Module):
         (``kernels.native.pack_bf16``) where that is this machine's fastest linear
         (``native.packs_bf16``): with the fused CPU ops, bf16 weights (not int8) on the CPU, and
         every projection of a packable shape (all or none: one decode call takes them all).
-        Each weight is packed in place (no second copy of the model). Whether they were
-        packed."""
+        The lm_head's weight too where it is packable: with tied embeddings that is the
+        embedding table, whose rows the lookup then reads from the packed blocks
+        (:meth:`embed`). Each weight is packed in place (no second copy of the model). Whether
+        the projections were packed."""
         linears = self.int8_linears()
         if not (self.fused and native.packs_bf16()
                 and all(native.packable(linear.weight) for linear in linears)):
             return False
-        for linear in linears:
-            linear.weight = nn.Parameter(native.pack_bf16(linear.weight.data),
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        for module in [*linears, *([head] if native.packable(head.weight) else [])]:
+            module.weight = nn.Parameter(native.pack_bf16(module.weight.data),
                                          requires_grad=False)
         self._decode_layers = None  # holds the weights' addresses
         return True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype, the model's (its norms': a packed or int8 weight is not)."""
+        return self.norm.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """The embedding table's rows of ``input_ids``, packed (tied, :meth:`pack_weights`) or
+        not."""
+        table = self.embed_tokens.weight
+        if native.is_packed(table):
+            return native.packed_rows(table, input_ids)
+        return self.embed_tokens(input_ids)
 
     def int8_linears(self) -> list[Linear]:
         """The projections ``quantization="int8"`` makes int8: each layer's qkv, o, gate_up
@@ -355,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [L, 2, num_blocks, block_size, H_kv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden], final-normed
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
         if self._in_one_call(x.shape[0], kv_caches, meta):
             assert self._decode_layers is not None
@@ -386,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         """Whether a decode step of ``rows`` adapted rows runs their adapters in the C kernel
         layer by layer (``kernels.lora.add_lora_cpu``'s condition), so in one call too: every
         projection's adapters in its table, and at most ``kernels.lora.c_max_rows`` rows."""
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.dtype
         holders = [getattr(p, "lora", None) for p in self.int8_linears()]
         if rows > c_max_rows(dtype) or not all(
                 isinstance(h, LoRASlots) and in_c(h, dtype) for h in holders):
@@ -409,8 +425,7 @@ class LlamaForCausalLM(nn.Module):
         prefix_rows, shared = meta.decode_prefix
         if runs_cascade(len(prefix_rows), shared, kv_caches.shape[3]):
             return False
-        dtype = self.layers[0].input_layernorm.weight.dtype  # the model's (int8 projections')
-        if not (kv_caches.device.type == "cpu" and kv_caches.dtype == dtype
+        if not (kv_caches.device.type == "cpu" and kv_caches.dtype == self.dtype
                 and kv_caches.is_contiguous()):
             return False
         if self._decode_layers is None:

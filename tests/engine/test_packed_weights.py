@@ -13,6 +13,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
+from engine.testing import make_tiny_model
 from kernels import native
 
 
@@ -56,6 +57,41 @@ def test_packed_engine_matches_the_unpacked_one(tiny_models: dict[str, Path], mo
         assert first.keys() == reference.keys()
         assert all(abs(first[t] - reference[t]) < 0.05 for t in first)
         assert ours.token_ids[0] == theirs.token_ids[0]
+
+
+@pytest.fixture(scope="module")
+def padded_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
+    """Tied and untied tiny models of 288 tokens, nine whole blocks (the tokenizer's 259 do not
+    make whole blocks): as real vocabularies are, so their lm_heads pack."""
+    root = tmp_path_factory.mktemp("padded-vocab")
+    return {tied: make_tiny_model(root / f"tied-{tied}", hidden_size=64, num_heads=4,
+                                  num_kv_heads=2, tie_word_embeddings=tied, vocab_size=288)
+            for tied in (True, False)}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_packs_and_tied_embeddings_read_the_packed_table(
+        padded_vocab: dict[bool, Path], tied: bool, packs: None) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=3)
+    engines = {pack: _engine(padded_vocab[tied], pack) for pack in (True, False)}
+    model, reference = _model(engines[True]), _model(engines[False])
+    table = reference.embed_tokens.weight
+    if tied:
+        head, ref_head = model.embed_tokens.weight, table
+    else:
+        assert model.lm_head is not None and reference.lm_head is not None
+        head, ref_head = model.lm_head.weight, reference.lm_head.weight
+        assert torch.equal(model.embed_tokens.weight, table)  # only the lm_head packs
+    assert native.is_packed(head) and torch.equal(native.unpack_bf16(head), ref_head)
+    ids = torch.tensor([0, 31, 32, 287, 5, 5, 100])  # a block's first and last lanes, repeats
+    assert torch.equal(model.embed(ids), table[ids])
+    assert model.dtype == reference.dtype == torch.bfloat16
+    ours, theirs = engines[True].generate(PROMPTS, params), engines[False].generate(PROMPTS, params)
+    for a, b in zip(ours, theirs, strict=True):  # the lm_head's sums in another order
+        first, expected = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert first.keys() == expected.keys()
+        assert all(abs(first[t] - expected[t]) < 0.05 for t in first)
+        assert a.token_ids[0] == b.token_ids[0]
 
 
 def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: None) -> None:
