@@ -113,6 +113,7 @@ def paged_attention_prefill(
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     """Varlen chunked-prefill attention over paged KV (see the reference)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -122,15 +123,22 @@ def paged_attention_prefill(
             continue
         k = gather_kv(key_cache, block_tables[i], seq_len).transpose(0, 1)  # [H_kv, S, D]
         v = gather_kv(value_cache, block_tables[i], seq_len).transpose(0, 1)
-        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len:
-            mask = None  # no cached prefix: plain causal
-        else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        if q_len == seq_len:  # no cached prefix: plain causal
+            q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, D]
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            out[q_start:q_end] = o[0].transpose(0, 1)
+            continue
+        # A chunk after a cached prefix, masked: each KV head's query heads as rows of that
+        # head, [H_kv, q_len * G, D], so that one GEMM a KV head takes all of them (the 1B's
+        # 32 chunks of 50 tokens over 220: 1.2x enable_gqa's head by head on a 2-core Zen 4).
+        group = num_heads // k.shape[0]
+        q = query[q_start:q_end].view(q_len, -1, group, head_dim).permute(1, 0, 2, 3)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale,
-            enable_gqa=True,
-        )
-        out[q_start:q_end] = o[0].transpose(0, 1)
+            q.reshape(1, -1, q_len * group, head_dim), k[None], v[None],
+            attn_mask=mask.repeat_interleave(group, dim=0), scale=scale)
+        out[q_start:q_end] = o.view(-1, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(
+            q_len, num_heads, head_dim)
     return out
