@@ -69,12 +69,6 @@ def matrices(shape: str, layers: int) -> list[tuple[int, int]]:
     return [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)] * layers
 
 
-def logical(weight: torch.Tensor) -> tuple[int, int]:
-    """A weight's (outputs, inputs), packed or not."""
-    n, k = native.packed_shape(weight) if native.is_packed(weight) else weight.shape
-    return n, k
-
-
 def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None]:  # type: ignore[no-untyped-def]
     """A call of ``lib``'s linear, as ``kernels.native`` makes it, into ``y``."""
     threads = torch.get_num_threads()
@@ -89,10 +83,10 @@ def caller(lib, kind: str) -> Callable[[torch.Tensor, tuple, torch.Tensor], None
 
     def call_linear(x: torch.Tensor, w: tuple, y: torch.Tensor) -> None:
         (weight,) = w
-        kind = 2 if native.is_packed(weight) else int(weight.dtype == torch.bfloat16)
-        lib.linear_small(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), kind,
+        w_kind = 2 if native.is_packed(weight) else int(weight.dtype == torch.bfloat16)
+        lib.linear_small(x.data_ptr(), int(x.dtype == torch.bfloat16), weight.data_ptr(), w_kind,
                          None, y.data_ptr(), int(y.dtype == torch.bfloat16), x.shape[0],
-                         *logical(weight), threads)
+                         *native.logical_shape(weight), threads)
     return call_linear
 
 
@@ -127,7 +121,7 @@ def linears(call: Callable[[torch.Tensor, tuple, torch.Tensor], None], weights: 
             xs: dict[int, torch.Tensor], outs: list[torch.Tensor]) -> None:
     """One build's pass over every matrix, into its outputs."""
     for w, y in zip(weights, outs, strict=True):
-        call(xs[logical(w[0])[1]], w, y)
+        call(xs[native.logical_shape(w[0])[1]], w, y)
 
 
 def decode_layers(lib: ctypes.CDLL, query: torch.Tensor, caches: list[tuple[torch.Tensor, ...]],
@@ -200,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                        else (native.pack_bf16(w.to(w_dtype)),) if args.kind == "bf16-packed"
                        else (w.to(w_dtype),))
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w[:1])
-    macs = sum(n * k for n, k in (logical(w[0]) for w in weights))
+    shapes = [native.logical_shape(w[0]) for w in weights]  # (outputs, inputs), packed or not
+    macs = sum(n * k for n, k in shapes)
     calls = {b: caller(lib, args.kind) for b, lib in libs.items()}
     for m in args.rows:
-        xs = {k: torch.randn(m, k).to(x_dtype) for k in {logical(w[0])[1] for w in weights}}
-        outs = {b: [torch.empty(m, logical(w[0])[0], dtype=x_dtype) for w in weights]
-                for b in calls}
+        xs = {k: torch.randn(m, k).to(x_dtype) for k in {k for _, k in shapes}}
+        outs = {b: [torch.empty(m, n, dtype=x_dtype) for n, _ in shapes] for b in calls}
 
         best = best_of({b: partial(linears, calls[b], weights, xs, outs[b]) for b in calls},
                        args.repeats)

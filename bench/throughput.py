@@ -94,7 +94,7 @@ class ModelShape:
 def model_shape(engine: LLMEngine) -> ModelShape:
     model = engine.runner.model
     # a packed bf16 weight holds its [N, K] as int32 pairs: N * K / 2 elements
-    params = sum(math.prod(native.packed_shape(p)) if native.is_packed(p) else p.numel()
+    params = sum(math.prod(native.logical_shape(p))
                  for n, p in model.named_parameters()
                  if "embed_tokens" not in n and "lm_head" not in n)
     q_size = model.config.num_attention_heads * model.head_dim

@@ -122,7 +122,7 @@ def load_adapter(spec: LoRASpec, model: LlamaForCausalLM) -> LoRAWeights:
             a[col : col + r] = pair["A"]
             b[offset : offset + size, col : col + r] = pair["B"] * config.scaling
             col += r
-        param = model.norm.weight  # the model's dtype (an int8 or packed projection's is not)
+        param = model.norm.weight  # the model's dtype (an int8 or packed weight's is not)
         weights[layer, fused] = (a.to(param.device, param.dtype),
                                  b.t().contiguous().to(param.device, param.dtype))
     if raw:

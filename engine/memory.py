@@ -88,7 +88,7 @@ def profile_step(model: LlamaForCausalLM, backend: Backend, block_size: int, num
         next_block += len(seq.block_table)
         scheduled.append(ScheduledSeq(seq, 0, n, sample=True))
     scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # decodes first, as the scheduler does
-    weight = model.norm.weight  # the model's dtype (a packed or int8 weight's is not)
+    weight = model.norm.weight  # the model's dtype and device (a packed or int8 weight's is not)
     kv_caches = torch.zeros(
         (model.num_layers, 2, next_block, block_size, model.num_kv_heads, model.head_dim),
         dtype=weight.dtype, device=weight.device,

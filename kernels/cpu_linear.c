@@ -662,7 +662,8 @@ static void linear_packed(const float *xf, const void *w, int w_bf16, const floa
  * accumulators; 2 weight loads and PDOT_M broadcasts a pair) over all of K in registers, with
  * no horizontal sums and no packing in the call (the per-call packed GEMM spends more on the
  * transposes than on the products at decode's row counts). The block stays in L2 while every
- * tile of x passes it, so each weight byte comes from memory once a call, whatever the rows.
+ * tile of a chunk of x passes it, so each weight byte comes from memory once a chunk
+ * (pdot_chunk_tiles: once a call up to a few hundred rows).
  *
  * Each output is its pairs' products added in the order of K from 0, whatever the rows (a lane
  * is one weight row): the columns' order, the same bits, and the same for every row count, so

@@ -408,8 +408,8 @@ LINEAR_MAX_ROWS_PACKED_DOT = 192
 
 
 def packs_bf16() -> bool:
-    """Whether a model's bf16 projections are packed for the dot product at load here
-    (:func:`pack_bf16`): where the C linear has AVX512-BF16's dot product and neither it nor
+    """Whether a model's bf16 projections and lm_head are packed for the dot product at load
+    here (:func:`pack_bf16`): where the C linear has AVX512-BF16's dot product and neither it nor
     torch's GEMM has AMX's tiles (which take a step's many rows faster than any vector kernel)."""
     lib = library("cpu_linear")
     return bool(lib.linear_has_bf16_dot()) and not lib.linear_has_amx() and not cpu_has_amx()
@@ -433,16 +433,18 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether :func:`pack_bf16` takes ``weight``: a contiguous CPU bf16 ``[N, K]``, N whole
-    blocks, K pairs."""
+    blocks, K pairs (at least one)."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
             and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[0] % PACKED_BLOCK == 0 and weight.shape[1] % 2 == 0)
+            and weight.shape[0] % PACKED_BLOCK == 0 and weight.shape[1] % 2 == 0
+            and weight.shape[1] > 0)
 
 
 def packed_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` ([T] indices) of the bf16 weight :func:`pack_bf16` packed, as [T, K]
     bf16: an embedding lookup in a table packed for the tied lm_head. Row ``n`` is lane
-    ``n % 32`` of block ``n // 32``, a pair of inputs (the even one low) a 32-bit word."""
+    ``n % 32`` of block ``n // 32``, a pair of inputs (the even one low) a 32-bit word: a
+    gather of one word every 128 bytes, a few rows a step."""
     rows = rows.long()
     return packed[rows // PACKED_BLOCK, :, rows % PACKED_BLOCK].view(torch.bfloat16)
 
@@ -858,7 +860,7 @@ def reshape_and_cache(
     )
 
 
-def _logical(t: torch.Tensor) -> tuple[int, ...]:
+def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
     """A weight's shape, a packed one's as it was before packing (:func:`packed_shape`)."""
     return packed_shape(t) if is_packed(t) else tuple(t.shape)
 
@@ -922,7 +924,8 @@ class DecodeLayers:
                          else LINEAR_MAX_ROWS_PACKED_DOT if self.packed
                          else linear_max_rows(dtype))
         self.shape = (num_heads, num_kv_heads, head_dim)
-        self.hidden, self.intermediate = _logical(layers[0].qkv)[1], _logical(layers[0].down)[1]
+        self.hidden = logical_shape(layers[0].qkv)[1]
+        self.intermediate = logical_shape(layers[0].down)[1]
         self.eps, self.scale = eps, scale
         # float32 biases, as ``linear`` makes them for its kernel; kept alive here
         self._biases = [None if w.qkv_bias is None else w.qkv_bias.to(torch.float32).contiguous()
@@ -934,7 +937,7 @@ class DecodeLayers:
                   (2 * inter, hidden), (hidden, inter))
         for w, bias in zip(layers, self._biases, strict=True):
             tensors = (w.input_norm, w.qkv, w.o, w.post_norm, w.gate_up, w.down)
-            if (tuple(_logical(t) for t in tensors) != shapes
+            if (tuple(logical_shape(t) for t in tensors) != shapes
                     or (bias is not None and tuple(bias.shape) != (qkv_size,))):
                 raise ValueError("DecodeLayers: the layers' weights do not have the shapes of "
                                  f"{num_heads} heads, {num_kv_heads} KV heads of {head_dim}")

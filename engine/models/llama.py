@@ -10,8 +10,9 @@ those torch ops. Its linear layers call the backend's ``linear``: on the CPU
 bf16 ones widened as read or multiplied as pairs), torch's GEMM for more; and a decode step of
 that few rows runs all its layers in one C call (``kernels.native.DecodeLayers``), the same
 kernels in the same order. Where the C linear has AVX512-BF16's dot product and no AMX, the
-engine packs the projections' bf16 weights once loaded (:meth:`LlamaForCausalLM.pack_weights`)
-for a kernel that takes every row count, prefill's too. In the batch-invariant mode the
+engine packs the projections' and the lm_head's bf16 weights once loaded
+(:meth:`LlamaForCausalLM.pack_weights`; a tied table is looked up in its packed form) for a
+kernel that takes every row count, prefill's too. In the batch-invariant mode the
 backend's linear and attention reduce each row in one order whatever the batch
 (``kernels.batch_invariant``). With
 ``quantization="int8"`` the attention and MLP projections hold int8 weights with float32 scales

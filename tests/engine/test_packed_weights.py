@@ -13,7 +13,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.models.llama import LlamaForCausalLM
-from engine.testing import make_tiny_model
+from engine.testing import make_random_adapter, make_tiny_model
 from kernels import native
 
 
@@ -60,20 +60,25 @@ def test_packed_engine_matches_the_unpacked_one(tiny_models: dict[str, Path], mo
 
 
 @pytest.fixture(scope="module")
-def padded_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
-    """Tied and untied tiny models of 288 tokens, nine whole blocks (the tokenizer's 259 do not
-    make whole blocks): as real vocabularies are, so their lm_heads pack."""
+def padded_vocab(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny models of 288 tokens, nine whole blocks (the tokenizer's 259 do not make whole
+    blocks), as real vocabularies are, so their lm_heads pack: tied, untied, and tied with
+    projections that do not pack (a qkv of 100 rows)."""
     root = tmp_path_factory.mktemp("padded-vocab")
-    return {tied: make_tiny_model(root / f"tied-{tied}", hidden_size=64, num_heads=4,
-                                  num_kv_heads=2, tie_word_embeddings=tied, vocab_size=288)
-            for tied in (True, False)}
+    shapes = {"tied": dict(hidden_size=64, num_heads=4, num_kv_heads=2, tie_word_embeddings=True),
+              "untied": dict(hidden_size=64, num_heads=4, num_kv_heads=2),
+              "tied-hd10": dict(hidden_size=60, num_heads=6, num_kv_heads=2, head_dim=10,
+                                tie_word_embeddings=True)}
+    return {name: make_tiny_model(root / name, vocab_size=288, **kw)  # type: ignore[arg-type]
+            for name, kw in shapes.items()}
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_packs_and_tied_embeddings_read_the_packed_table(
-        padded_vocab: dict[bool, Path], tied: bool, packs: None) -> None:
+        padded_vocab: dict[str, Path], tied: bool, packs: None) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=3)
-    engines = {pack: _engine(padded_vocab[tied], pack) for pack in (True, False)}
+    engines = {pack: _engine(padded_vocab["tied" if tied else "untied"], pack)
+               for pack in (True, False)}
     model, reference = _model(engines[True]), _model(engines[False])
     table = reference.embed_tokens.weight
     if tied:
@@ -94,6 +99,23 @@ def test_the_lm_head_packs_and_tied_embeddings_read_the_packed_table(
         assert a.token_ids[0] == b.token_ids[0]
 
 
+def test_adapters_on_a_packed_model(padded_vocab: dict[str, Path], packs: None,
+                                    tmp_path: Path) -> None:
+    # an adapter's tables take the model's dtype (its norms'), not the packed table's int32
+    model_dir = padded_vocab["tied"]
+    adapter = make_random_adapter(model_dir, tmp_path / "adapter", rank=4, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, logprobs=3)
+    adapted = {pack: _engine(model_dir, pack, lora=(f"a={adapter}",)).generate(
+        PROMPTS, params, lora="a") for pack in (True, False)}
+    plain = _engine(model_dir, True).generate(PROMPTS, params)
+    for ours, theirs in zip(adapted[True], adapted[False], strict=True):
+        first, expected = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
+        assert first.keys() == expected.keys()
+        assert all(abs(first[t] - expected[t]) < 0.05 for t in first)
+    assert any(a.outputs[0].logprobs[0] != b.outputs[0].logprobs[0]  # the adapter shows
+               for a, b in zip(adapted[True], plain, strict=True))
+
+
 def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: None) -> None:
     engine = _engine(tiny_models["llama-mha"], None)  # packing is the default
     model = _model(engine)
@@ -107,12 +129,21 @@ def test_packed_decode_steps_take_one_call(tiny_models: dict[str, Path], packs: 
     assert [o.outputs[0].logprobs for o in ours] == [o.outputs[0].logprobs for o in theirs]
 
 
-def test_what_is_not_packed(tiny_models: dict[str, Path], packs: None) -> None:
+def test_what_is_not_packed(tiny_models: dict[str, Path], padded_vocab: dict[str, Path],
+                            packs: None) -> None:
     # head_dim 10 x 10 heads: a qkv of 100 rows, not whole blocks of 32, so no projection is
-    # (one decode call takes all four packed or none); int8 weights and float32 ones neither
+    # (one decode call takes all four packed or none), nor the lm_head; int8 weights and
+    # float32 ones neither
     not_whole = _model(_engine(tiny_models["llama-gqa3-hd10"], True))
     assert not any(native.is_packed(p.weight) for p in not_whole.int8_linears())
     assert not not_whole.pack_weights()
+    head_too = _model(_engine(padded_vocab["tied-hd10"], True))  # a table of whole blocks
+    assert not native.is_packed(head_too.embed_tokens.weight)
+    assert not any(native.is_packed(p.weight) for p in head_too.int8_linears())
+    # the projections pack, the table of 259 rows (not whole blocks) stays as it is
+    tied = _model(_engine(tiny_models["llama-gqa8-tied"], True))
+    assert all(native.is_packed(p.weight) for p in tied.int8_linears())
+    assert tied.embed_tokens.weight.dtype == torch.bfloat16
     quantized = _model(_engine(tiny_models["llama-mha"], True, quantization="int8"))
     assert all(p.weight.dtype == torch.int8 for p in quantized.int8_linears())
     wide = _model(LLMEngine(EngineConfig(model=str(tiny_models["llama-mha"]), dtype="float32",

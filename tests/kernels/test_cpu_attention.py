@@ -43,6 +43,18 @@ def test_fp32_matches_reference(cpu_paged_batch, assert_matches, head_dim, block
         assert_matches(out, reference.paged_attention_prefill(*args))
 
 
+@pytest.mark.parametrize("limit", [0, 1 << 40], ids=["head-by-head", "folded"])
+def test_prefill_after_a_prefix_folded_or_head_by_head(cpu_paged_batch, assert_matches,
+                                                       monkeypatch, limit: int) -> None:
+    # A chunk after a cached prefix folds each KV head's query heads into its rows up to
+    # FOLDED_MASK_MAX mask elements and goes head by head past it: both the reference's values.
+    monkeypatch.setattr(cpu, "FOLDED_MASK_MAX", limit)
+    batch = cpu_paged_batch(PREFILL_SEQS, num_heads=8, num_kv_heads=2, head_dim=32,
+                            block_size=16)
+    args = _args(batch, decode=False)
+    assert_matches(cpu.paged_attention_prefill(*args), reference.paged_attention_prefill(*args))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 def test_half_precision_matches_reference(cpu_paged_batch, assert_matches, dtype, decode) -> None:
