@@ -93,7 +93,7 @@ class ModelShape:
 
 def model_shape(engine: LLMEngine) -> ModelShape:
     model = engine.runner.model
-    # a packed bf16 weight holds its [N, K] as int32 pairs: N * K / 2 elements
+    # a packed bf16 weight counts as its [N, K], not its N * K / 2 int32 pairs
     params = sum(math.prod(native.logical_shape(p))
                  for n, p in model.named_parameters()
                  if "embed_tokens" not in n and "lm_head" not in n)

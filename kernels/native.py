@@ -381,7 +381,7 @@ def _linear_c(function: str, x: torch.Tensor, weight: torch.Tensor,
         raise TypeError(f"bf16 weights packed for the dot product take bf16 rows, not {x.dtype}")
     if x.dtype not in LINEAR_MAX_ROWS or not (packed or weight.dtype in LINEAR_MAX_ROWS):
         raise TypeError(f"no C linear for {x.dtype} rows by {weight.dtype} weights")
-    n, k = packed_shape(weight) if packed else weight.shape
+    n, k = logical_shape(weight)
     if x.shape[-1] != k:
         raise ValueError(f"rows of {x.shape[-1]} inputs by a weight of {k}")
     lead = x.shape[:-1]

@@ -76,6 +76,7 @@ def test_what_packs() -> None:
     assert native.packable(bf16(64, 2))
     assert not native.packable(bf16(48, 64))  # rows not whole blocks
     assert not native.packable(bf16(64, 63))  # an odd input
+    assert not native.packable(bf16(64, 0))  # no inputs
     assert not native.packable(torch.zeros(64, 64))  # float32
     assert not native.packable(bf16(64, 128)[:, :64])  # not contiguous
     assert not native.packable(bf16(64 * 64))  # not a matrix
