@@ -251,7 +251,10 @@ def test_waiters_without_notices_are_found_by_one_batched_poll(services) -> None
             await asyncio.to_thread(client.jobs.submit, specs)
             waiters = [asyncio.create_task(AsyncJobHandle(client, s.id).wait(timeout_s=60))
                        for s in specs]
-            await asyncio.sleep(1.0)
+            # One whole poll (3 reads) before the jobs end, however slow the machine is.
+            deadline = time.monotonic() + 30
+            while len(reads) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             polls_before = len(reads)
             await asyncio.to_thread(_finish, client.jobs.engine, [s.id for s in specs])
             infos = await asyncio.gather(*waiters)
