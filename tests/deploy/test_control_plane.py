@@ -151,11 +151,13 @@ def test_expire_deadlines_expires_batches_and_jobs_once(control, sql_engine: Eng
 # -- batch finalization ------------------------------------------------------------------------
 
 class Hook:
-    """A webhook receiver on a local port answering with the queued status codes (then 200)."""
+    """A webhook receiver on a local port answering with the queued status codes (then 200);
+    with ``hold``, each answer waits until the event is set."""
 
-    def __init__(self, codes: list[int] | None = None, delay_s: float = 0.0) -> None:
+    def __init__(self, codes: list[int] | None = None,
+                 hold: threading.Event | None = None) -> None:
         self.codes = list(codes or [])  # 0: answer garbage instead of HTTP
-        self.delay_s = delay_s
+        self.hold = hold
         self.requests: list[tuple[dict[str, str], bytes]] = []
         hook = self
 
@@ -163,7 +165,8 @@ class Hook:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 hook.requests.append((dict(self.headers), body))
-                time.sleep(hook.delay_s)
+                if hook.hold is not None:
+                    hook.hold.wait(60)
                 code = hook.codes.pop(0) if hook.codes else 200
                 if code == 0:  # not HTTP at all: http.client raises BadStatusLine
                     self.wfile.write(b"garbage\r\n\r\n")
@@ -186,8 +189,8 @@ class Hook:
 def hook() -> Iterator:  # type: ignore[type-arg]
     hooks: list[Hook] = []
 
-    def make(codes: list[int] | None = None, delay_s: float = 0.0) -> Hook:
-        hooks.append(Hook(codes, delay_s))
+    def make(codes: list[int] | None = None, hold: threading.Event | None = None) -> Hook:
+        hooks.append(Hook(codes, hold))
         return hooks[-1]
 
     yield make
@@ -322,12 +325,14 @@ def test_webhook_gives_up_after_max_attempts(control, sql_engine: Engine, hook) 
 
 def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: Engine,
                                                           hook, caplog) -> None:
-    """The POST takes four lock TTLs: the watchdog renews the lock, so the runs that
+    """The POST outlasts two lock TTLs: the watchdog renews the lock, so the runs that
     finalize_batches starts meanwhile skip, the receiver gets one POST, and the lock is
-    released cleanly at the end. (A TTL of 1 s: the watchdog renews every third of it, and
-    with 0.5 s a 2-core machine loaded by other work missed two renewals in a row.)"""
-    receiver = hook(delay_s=4.0)
-    app = control(webhook_url=receiver.url, task_lock_ttl_s=1.0)
+    released cleanly at the end. (The receiver answers once those runs are done, however slow
+    the machine. A TTL of 2 s: the watchdog renews every third of it, and with 0.5 s a 2-core
+    machine loaded by other work missed two renewals in a row.)"""
+    answer = threading.Event()
+    receiver = hook(hold=answer)
+    app = control(webhook_url=receiver.url, task_lock_ttl_s=2.0)
     store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="slow")[0])
     svc = app.kvbatch_services.get()
@@ -336,12 +341,14 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     # Called directly: result.get() is refused while another thread runs an eager task.
     first = threading.Thread(target=lambda: results.append(task(app, "finalize_batch")("slow")))
     first.start()
-    while not receiver.requests:
+    deadline = time.monotonic() + 30
+    while not receiver.requests and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(2.0)  # two TTLs into the POST
+    time.sleep(4.0)  # two TTLs into the POST
     assert task(app, "finalize_batch")("slow") == "skipped"
     assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
-    first.join(timeout=10)
+    answer.set()
+    first.join(timeout=30)
     assert results == ["notified"]
     assert len(receiver.requests) == 1
     assert batch_row(sql_engine, "slow").webhook_attempts == 1

@@ -18,8 +18,9 @@ from jobs.schemas import JobSpec
 from jobs.store import BatchStore, ProducerStore
 
 
-# TTLs of a second: a renewal (by hand every half TTL, by the watchdog every third) may come
-# a few hundred milliseconds late on a loaded 2-core machine and still be in time.
+# TTLs of a second where a lease runs out; 2 s where it is renewed (by hand every quarter TTL,
+# by the watchdog every third), so that a renewal a second late on a loaded 2-core machine is
+# still in time.
 def _lease(redis_client: redis.Redis, keys: Keys, ttl_s: float = 1.0) -> Lease:
     return Lease(redis_client, keys.control_lock("test"), ttl_s)
 
@@ -35,9 +36,9 @@ def test_one_holder_until_it_expires(redis_client: redis.Redis, keys: Keys) -> N
 
 
 def test_renewal_keeps_it_and_release_frees_it(redis_client: redis.Redis, keys: Keys) -> None:
-    holder, other = _lease(redis_client, keys), _lease(redis_client, keys)
+    holder, other = _lease(redis_client, keys, 2.0), _lease(redis_client, keys)
     assert holder.acquire()
-    for _ in range(4):  # 2 s in all, twice the TTL
+    for _ in range(8):  # 4 s in all, twice the TTL
         time.sleep(0.5)
         assert holder.renew()
     assert not other.acquire()
@@ -58,9 +59,9 @@ def test_a_stale_holder_neither_renews_nor_frees_the_new_one(redis_client: redis
 
 
 def test_kept_renews_while_the_block_runs(redis_client: redis.Redis, keys: Keys) -> None:
-    with _lease(redis_client, keys).kept() as mine:
+    with _lease(redis_client, keys, 2.0).kept() as mine:
         assert mine
-        time.sleep(2.5)  # well past the TTL: the watchdog renewed it
+        time.sleep(5.0)  # well past the TTL: the watchdog renewed it
         with _lease(redis_client, keys).kept() as theirs:
             assert not theirs
     assert _lease(redis_client, keys).acquire()  # released at the end

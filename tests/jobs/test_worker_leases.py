@@ -45,12 +45,13 @@ def test_lease_survives_a_stalled_loop(
 ) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     ids = client.submit([long_job(i, max_tokens=1900) for i in range(2)])
-    running = start_worker(lease_ttl_s=1.5)
+    running = start_worker(lease_ttl_s=2.0)  # renewed every 0.67 s, from its own thread
     wait_for(lambda: {i.status for i in client.get_many(ids)} == {JobStatus.RUNNING})
     blocker = JobSpec(model=MODEL, prompt="locked")
     SQL(client.engine).insert_jobs([blocker])
     with pg_engine.connect() as conn, conn.begin():
-        # The worker's decision on this job waits for our row lock: its loop stalls 4 s.
+        # The worker's decision on this job waits for our row lock: its loop stalls 4 s, two
+        # TTLs.
         conn.execute(sa.text("SELECT id FROM jobs WHERE id = :id FOR UPDATE"),
                      {"id": blocker.id})
         JobQueue(redis_client, MODEL, keys).enqueue([blocker])
@@ -67,11 +68,10 @@ def test_heartbeat_lapses_when_the_loop_is_stuck(redis_client: redis.Redis, keys
                                                  wait_for) -> None:  # type: ignore[no-untyped-def]
     q = JobQueue(redis_client, MODEL, keys)
     beat = Heartbeat(q, "stuck", lease_ttl_s=0.6, stall_s=0.5, window=10)
-    beat.start()
+    beat.start()  # its first beat, before it returns
     try:
-        time.sleep(0.3)
         assert q.live_workers() == {"stuck"}
-        wait_for(lambda: not q.live_workers(), timeout_s=3)  # no progress: no renewal
+        wait_for(lambda: not q.live_workers(), timeout_s=15)  # no progress: no renewal
     finally:
         beat.stop()
 
@@ -80,10 +80,14 @@ def test_live_workers_jobs_are_never_stolen(
     redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker, wait_for,
 ) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    first = start_worker(lease_ttl_s=1.0, max_num_seqs=4, waiting_buffer=0)
-    ids = client.submit([long_job(i, max_tokens=1900) for i in range(8)])  # each > the lease
-    second = start_worker(lease_ttl_s=1.0, max_num_seqs=4, waiting_buffer=0)
+    # Leases of 2 s (a renewal may come a second late on a loaded 2-core machine), each job
+    # longer than that
+    first = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0)
+    ids = client.submit([long_job(i, max_tokens=1900) for i in range(8)])
+    second = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0)
     infos = client.wait(ids, timeout_s=120)
     assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 1 for i in infos), [
         (i.status, i.attempts) for i in infos]
     assert {i.worker_id for i in infos} <= {first.worker.worker_id, second.worker.worker_id}
+    # each job ran past its worker's lease: only the renewals kept it
+    assert all((i.finished_at - i.started_at).total_seconds() > 2.0 for i in infos)  # type: ignore[operator]
