@@ -152,7 +152,13 @@ def test_every_dashboard_query_returns_data_from_a_live_worker(
     assert statuses[JobStatus.SUCCEEDED] == 12 and statuses[JobStatus.FAILED] == 1
     assert statuses[JobStatus.CANCELLED] == 1
     assert sum(i.stats.preemptions for i in infos.values() if i.stats) > 0
-    time.sleep(4 * SCRAPE_S)  # the last scrapes
+    time.sleep(4 * SCRAPE_S)  # the last scrapes; on a slow machine, until they count every job
+
+    def scraped_all() -> bool:
+        total = prom.instant(f'sum(kvbatch_jobs_total{{model_name="{MODEL}"}})')
+        return bool(total) and round(total[0][1]) == len(ids)
+
+    wait_until(scraped_all, 60, what="the last jobs scraped")
     window_s = math.ceil(time.time() - started) + 5
 
     def expand(expr: str) -> str:

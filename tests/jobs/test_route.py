@@ -105,11 +105,12 @@ def test_jobs_sharing_a_prefix_run_on_one_worker(
     redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker,
 ) -> None:  # type: ignore[no-untyped-def]
     names = ("route-a", "route-b")
-    for name in names:
-        start_worker(worker_id=name)
+    workers = [start_worker(worker_id=name).worker for name in names]
     q = JobQueue(redis_client, TINY_MODEL_NAME, keys)
     wait_until(lambda: set(q.serving()) == set(names), 30, what="both workers live")
-    time.sleep(ROUTE_REFRESH_S + 0.5)  # both have seen each other
+    # both have seen each other: each reads its own buckets first, not all of them
+    wait_until(lambda: all(len(w.intake.owned) < ROUTE_BUCKETS for w in workers), 30,
+               what="both workers' buckets split")
     prefixes = {w: _prefix_owned_by(w, set(names), "system prompt") for w in names}
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     specs = [JobSpec(model=TINY_MODEL_NAME, prompt=prefixes[w] + f"question {i}",
