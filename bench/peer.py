@@ -5,8 +5,8 @@ The workload: chat requests sharing a ~170-token system prompt, user messages of
 outputs of 8-64 tokens, greedy, ``ignore_eos``. For each ``--concurrency`` N, (1 + W) x N
 requests are made from one system prompt: the first N run cold (a fresh engine or server,
 nothing cached), the next W sets of N run warm (the system prompt cached), and the best warm
-run counts (a shared machine drifts). W is 2, more for fewer than 4 requests (``warm_sets``: a
-set of one request is a second or two and one draw of its output length). kvbatch runs in this
+run counts (a shared machine drifts). W is 2, 8 for one request and 4 for two (``warm_sets``:
+a set of one request is a second or two and one draw of its output length). kvbatch runs in this
 process (``LLMEngine``, all N requests at once); llama-server gets N concurrent HTTP requests
 (``/completion`` with the prompt as token ids, ``cache_prompt``, ``--parallel`` = N slots capped
 at ``--slots``: more slots than requests only make its KV cache bigger; one request on the 1B
@@ -69,7 +69,7 @@ class Run:
 
 
 def warm_sets(n: int) -> int:
-    """Sets of ``n`` requests run warm: 2, and up to 8 for fewer than 4 requests."""
+    """Sets of ``n`` requests run warm: 2, and 8 // n for 1 or 2 requests."""
     return max(2, 8 // n)
 
 

@@ -332,7 +332,7 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     machine loaded by other work missed two renewals in a row.)"""
     answer = threading.Event()
     receiver = hook(hold=answer)
-    app = control(webhook_url=receiver.url, task_lock_ttl_s=2.0)
+    app = control(webhook_url=receiver.url, task_lock_ttl_s=2.0, webhook_timeout_s=60.0)
     store = SQL(sql_engine)
     succeed(store, submit(store, 1, batch_id="slow")[0])
     svc = app.kvbatch_services.get()
@@ -341,14 +341,16 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     # Called directly: result.get() is refused while another thread runs an eager task.
     first = threading.Thread(target=lambda: results.append(task(app, "finalize_batch")("slow")))
     first.start()
-    deadline = time.monotonic() + 30
-    while not receiver.requests and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(4.0)  # two TTLs into the POST
-    assert task(app, "finalize_batch")("slow") == "skipped"
-    assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
-    answer.set()
-    first.join(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        while not receiver.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(4.0)  # two TTLs into the POST
+        assert task(app, "finalize_batch")("slow") == "skipped"
+        assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
+    finally:
+        answer.set()
+        first.join(timeout=30)
     assert results == ["notified"]
     assert len(receiver.requests) == 1
     assert batch_row(sql_engine, "slow").webhook_attempts == 1

@@ -32,10 +32,11 @@ def _engine(model: Path, **budget: float) -> LLMEngine:
 
 
 def test_a_format_over_the_time_budget_fails_alone(tiny_model: Path) -> None:
-    # hostile(6) takes ~3.6 s; the harmless formats compile well inside 1.5 s on a slow machine
+    # hostile(24) would take ~15 s; the harmless formats compile well inside 1.5 s on a slow
+    # machine
     engine = _engine(tiny_model, grammar_compile_timeout_s=1.5)
     outs = engine.generate(["a", "b", "c"], [
-        _params(hostile(6)), _params({"type": "choice", "choice": ["yes", "no"]}), _params()])
+        _params(hostile(24)), _params({"type": "choice", "choice": ["yes", "no"]}), _params()])
     assert outs[0].finish_reason == "error"
     assert outs[0].error == "response_format (json_schema): compiling took longer than 1.5 s"
     assert outs[1].text in ("yes", "no") and outs[1].finish_reason == "stop"

@@ -18,9 +18,9 @@ from jobs.schemas import JobSpec
 from jobs.store import BatchStore, ProducerStore
 
 
-# TTLs of a second where a lease runs out; 2 s where it is renewed (by hand every quarter TTL,
-# by the watchdog every third), so that a renewal a second late on a loaded 2-core machine is
-# still in time.
+# TTLs of a second by default, 2 s where a lease is renewed (by hand every quarter TTL, by the
+# watchdog every third), so that a renewal a second late on a loaded 2-core machine is still in
+# time.
 def _lease(redis_client: redis.Redis, keys: Keys, ttl_s: float = 1.0) -> Lease:
     return Lease(redis_client, keys.control_lock("test"), ttl_s)
 

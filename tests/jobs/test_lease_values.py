@@ -34,7 +34,7 @@ def test_the_ttl_redis_holds_is_the_leases_in_milliseconds(redis_client: redis.R
     redis_client.pexpire(lease.name, 1000)
     assert lease.renew()
     assert 4000 < redis_client.pttl(lease.name) <= 5000  # renewed to the full TTL, from now
-    short = Lease(redis_client, _name(keys, "short"), 2.5)  # a fraction of a second: ms
+    short = Lease(redis_client, _name(keys, "short"), 2.5)  # a fractional TTL: kept in ms
     assert short.acquire()
     assert 2000 < redis_client.pttl(short.name) <= 2500
     redis_client.pexpire(short.name, 1000)

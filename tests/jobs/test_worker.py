@@ -10,7 +10,7 @@ import redis
 import sqlalchemy as sa
 from prometheus_client import generate_latest
 from services import all_roles_store
-from worker_harness import RunningWorker, worker_settings
+from worker_harness import RunningWorker, paced, worker_settings
 
 from jobs.client import JobClient
 from jobs.constants import FIELD_ID, FIELD_JOB, Keys
@@ -33,20 +33,6 @@ def _job(i: int, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
 
 def _long(i: int, max_tokens: int = 1500, **kw) -> JobSpec:  # type: ignore[no-untyped-def]
     return _job(i, sampling={"max_tokens": max_tokens, "ignore_eos": True}, **kw)
-
-
-def _paced(engine):  # type: ignore[no-untyped-def]
-    """The engine, 5 ms a step at least: a 1,900-token job takes 9.5 s or more, so a test that
-    stops, cancels or expires it mid-way gets there first however fast the machine is
-    (unpaced, a fast engine finished one inside a 1 s deadline)."""
-    step = engine.step
-
-    def paced_step():  # type: ignore[no-untyped-def]
-        time.sleep(0.005)
-        return step()
-
-    engine.step = paced_step
-    return engine
 
 
 def _statuses(client: JobClient, ids: list[str]) -> dict[str, JobStatus]:
@@ -167,7 +153,7 @@ def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Ke
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     long_id, queued_id = client.submit([_long(0, max_tokens=1900), _long(1)])
     assert client.cancel(queued_id) is JobStatus.CANCELLED  # no worker yet: cancelled at once
-    running = start_worker(engine_wrapper=_paced)
+    running = start_worker(engine_wrapper=paced)
     w = running.worker
     wait_for(lambda: w.engine_stats is not None and long_id in w.held
              and w.engine_stats.num_kv_blocks_free < w.engine_stats.num_kv_blocks_total)
@@ -183,7 +169,7 @@ def test_cancel_running_job_frees_its_blocks(redis_client: redis.Redis, keys: Ke
 def test_deadlines_expire_jobs(redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine,
                                start_worker, wait_for) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    running = start_worker(engine_wrapper=_paced)
+    running = start_worker(engine_wrapper=paced)
     wait_for(lambda: running.worker.engine_stats is not None)  # up before the deadlines start
     now = datetime.now(UTC)
     late = _job(0, deadline=now - timedelta(seconds=1))
@@ -203,7 +189,7 @@ def test_graceful_shutdown_hands_back_unfinished_jobs(
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
     quick = client.submit([_job(i) for i in range(3)])
     slow = client.submit([_long(10 + i, max_tokens=1900) for i in range(3)])
-    first = start_worker(engine_wrapper=_paced, drain_timeout_s=0.5)
+    first = start_worker(engine_wrapper=paced, drain_timeout_s=0.5)
     wait_for(lambda: set(_statuses(client, quick).values()) == {JobStatus.SUCCEEDED})
     wait_for(lambda: set(_statuses(client, slow).values()) == {JobStatus.RUNNING})
     assert first.stop() == 0

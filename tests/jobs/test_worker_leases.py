@@ -10,7 +10,7 @@ import time
 import redis
 import sqlalchemy as sa
 from services import all_roles_store
-from worker_harness import long_job
+from worker_harness import long_job, paced
 
 from jobs.client import JobClient
 from jobs.constants import Keys
@@ -80,12 +80,12 @@ def test_live_workers_jobs_are_never_stolen(
     redis_client: redis.Redis, keys: Keys, pg_engine: sa.Engine, start_worker, wait_for,
 ) -> None:  # type: ignore[no-untyped-def]
     client = JobClient(redis_client, pg_engine, key_prefix=keys.prefix)
-    # Leases of 2 s (a renewal may come a second late on a loaded 2-core machine), each job
-    # longer than that
-    first = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0)
+    # Leases of 2 s (a renewal may come a second late on a loaded 2-core machine); each job
+    # 9.5 s or more (paced), however fast the machine
+    first = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0, engine_wrapper=paced)
     ids = client.submit([long_job(i, max_tokens=1900) for i in range(8)])
-    second = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0)
-    infos = client.wait(ids, timeout_s=120)
+    second = start_worker(lease_ttl_s=2.0, max_num_seqs=4, waiting_buffer=0, engine_wrapper=paced)
+    infos = client.wait(ids, timeout_s=240)
     assert all(i.status is JobStatus.SUCCEEDED and i.attempts == 1 for i in infos), [
         (i.status, i.attempts) for i in infos]
     assert {i.worker_id for i in infos} <= {first.worker.worker_id, second.worker.worker_id}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from services import REDIS_URL
 
 from jobs.constants import Keys
@@ -58,3 +60,18 @@ def bare_worker(tiny_model: str, keys: Keys, pg_url: str, pg_engine, redis_clien
 
     settings = worker_settings(tiny_model, keys, pg_url, **overrides)
     return Worker(settings, llm=None, redis_client=redis_client, db=pg_engine)
+
+
+def paced(engine):  # type: ignore[no-untyped-def]
+    """The engine, 5 ms a step at least: a 1,900-token job takes 9.5 s or more, so a test that
+    stops, cancels or expires it mid-way gets there first, and one that needs it to outlast a
+    lease gets that, however fast the machine is (unpaced, a fast engine finished one inside a
+    1 s deadline)."""
+    step = engine.step
+
+    def paced_step():  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return step()
+
+    engine.step = paced_step
+    return engine
