@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import redis
-from services import all_roles_store, jsonl
+from services import all_roles_store, jsonl, wait_until
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
@@ -342,9 +342,7 @@ def test_a_long_finalization_keeps_its_lock_and_runs_once(control, sql_engine: E
     first = threading.Thread(target=lambda: results.append(task(app, "finalize_batch")("slow")))
     first.start()
     try:
-        deadline = time.monotonic() + 30
-        while not receiver.requests and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: receiver.requests, 30, what="the webhook's POST")
         time.sleep(4.0)  # two TTLs into the POST
         assert task(app, "finalize_batch")("slow") == "skipped"
         assert task(app, "finalize_batches")() == ["slow"]  # still due: its run skips
